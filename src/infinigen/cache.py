@@ -1,0 +1,371 @@
+"""InfiniGenCache (a transformers Cache), the attention function and the hooks that drive it.
+
+Per decode step t, for every layer i:
+  * the pre-hook of layer i-1's attention sees i-1's normalized input x and speculates layer
+    i: partial query of layer i from x, partial scores against K̃ᵢ, threshold/budget selection;
+    it then issues the gather of the selected rows of layer i from the slow tier (prefetch);
+  * layer i's `update` appends the new k, v to the tier and the skewed partial k to K̃ᵢ, and
+    returns the prefetched rows plus the new token;
+  * the "infinigen" attention function attends over exactly that set.
+Prefill is dense: every layer's KV streams into its tier and K̃ is built as it goes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from infinigen.config import InfiniGenConfig
+from infinigen.kv import KVTier, TransferStats, make_tier
+from infinigen.models import ModelAdapter, get_adapter
+from infinigen.skew import SkewArtifact
+from infinigen.speculate import (
+    Selection,
+    aggregate_group,
+    attention_recall,
+    partial_scores,
+    select_positions,
+    skew_partial,
+)
+
+ATTN_NAME = "infinigen"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ContextTooLongError(ValueError):
+    """The prompt (plus what will be generated) does not fit the model's context."""
+
+
+@dataclass
+class LayerStats:
+    """Decode-time statistics of one layer (selection fraction, recall)."""
+
+    steps: int = 0
+    fraction_sum: float = 0.0
+    recall_sum: float = 0.0
+    recall_n: int = 0
+    fractions: list[float] = field(default_factory=list)
+
+
+class InfiniGenLayer(CacheLayerMixin):
+    """One layer's state: the slow tier, K̃ (partial keys, on the compute device), the
+    prefetched selection for the coming step and what the attention function must attend."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier: KVTier | None = None
+        self.dense_k: torch.Tensor | None = None  # policy "dense": the whole KV with the compute
+        self.dense_v: torch.Tensor | None = None
+        self.partial_k: torch.Tensor | None = None  # [B, Hkv, T, c]
+        self.prefetched: tuple[Selection, torch.Tensor, torch.Tensor] | None = None
+        self.attend_valid: torch.Tensor | None = None  # [B, Hkv, n+1] for the attention function
+        self.selection: Selection | None = None
+        self.length = 0
+        self.stats = LayerStats()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):  # driven by InfiniGenCache.update
+        raise RuntimeError("InfiniGenLayer is updated through InfiniGenCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+class InfiniGenCache(Cache):
+    """KV cache whose full contents live in a slow tier; decode fetches only selected rows.
+
+    Use as ``model.generate(..., past_key_values=InfiniGenCache(model, config))`` or get one
+    from ``infinigen.attach(model, config).new_cache()``. One cache serves one generation.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: InfiniGenConfig | None = None,
+        skew: SkewArtifact | str | None = None,
+        tokenizer=None,
+        progress: bool = True,
+    ) -> None:
+        from infinigen.attachment import ensure_attached
+
+        self.ig_config = config or InfiniGenConfig()
+        self.attachment = ensure_attached(model, self.ig_config, skew=skew, tokenizer=tokenizer, progress=progress)
+        self.adapter: ModelAdapter = self.attachment.adapter
+        self.artifact: SkewArtifact | None = self.attachment.artifact
+        n = self.adapter.num_layers
+        super().__init__(layers=[InfiniGenLayer() for _ in range(n)])
+        self.transfer = TransferStats()
+        self.key_valid: torch.Tensor | None = None  # [B, T]: False at padding
+        self.decode_steps = 0
+        self.prefill_tokens = 0
+        self.batch = 0
+        self.speculation_seconds = 0.0
+        self._skews: dict[int, torch.Tensor | None] = {}
+        self._channels: dict[int, torch.Tensor] = {}
+        if self.artifact is not None:
+            for i in range(n):
+                # OPT: the skew is folded into the weights, so keys arrive already skewed.
+                a = None if self.attachment.folded else self.artifact.skews.get(i)
+                self._skews[i] = a
+                self._channels[i] = self.artifact.channels[i]
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def policy(self) -> str:
+        return self.ig_config.policy
+
+    def is_speculated(self, layer_idx: int) -> bool:
+        return self.policy == "infinigen" and layer_idx >= self.ig_config.dense_layers
+
+    def _kv_dtype(self, compute: torch.dtype) -> torch.dtype:
+        return _DTYPES[self.ig_config.kv_dtype] if self.ig_config.kv_dtype else compute
+
+    def observe_mask(self, attention_mask: torch.Tensor | None, batch: int, kv_len: int, device) -> None:
+        """Record which cached positions are real tokens (left padding never counts)."""
+        if attention_mask is None or attention_mask.dim() != 4:
+            valid = torch.ones(batch, kv_len, dtype=torch.bool, device=device)
+        elif attention_mask.dtype == torch.bool:
+            valid = attention_mask[:, 0, -1, :kv_len]
+        else:
+            valid = attention_mask[:, 0, -1, :kv_len] > torch.finfo(attention_mask.dtype).min / 2
+        if valid.shape[0] != batch:
+            valid = valid.expand(batch, -1)
+        self.key_valid = valid
+
+    # ------------------------------------------------------------------ speculation
+    @torch.no_grad()
+    def speculate(self, layer_idx: int, x: torch.Tensor, position_embeddings) -> None:
+        """Called with layer_idx-1's normalized attention input: choose layer_idx's rows and
+        issue their fetch from the tier."""
+        layer = self.layers[layer_idx]
+        if layer.partial_k is None or layer.length == 0:
+            return
+        start = time.perf_counter()
+        past = layer.length
+        q = self.adapter.queries(layer_idx, x.to(torch.float32) if x.dtype != torch.float32 else x, position_embeddings)
+        q_part = skew_partial(q[:, :, -1:], self._skews[layer_idx], self._channels[layer_idx].to(q.device))[:, :, 0]
+        scores = partial_scores(q_part, layer.partial_k[:, :, :past].to(torch.float32), self.adapter.scaling(layer_idx))
+        valid = self.key_valid[:, :past]
+        g = aggregate_group(scores, valid, self.adapter.num_kv_heads, self.ig_config.aggregation)
+        sel = select_positions(
+            g,
+            valid,
+            self.ig_config.alpha,
+            self.ig_config.budget,
+            self.ig_config.budget_tokens,
+            self.ig_config.min_tokens,
+        )
+        self.speculation_seconds += time.perf_counter() - start
+        k, v = layer.tier.gather(sel.indices, sel.valid, x.device, layer.dtype)
+        layer.prefetched = (sel, k, v)
+
+    # ------------------------------------------------------------------ Cache API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        b, hkv, q_len, d = key_states.shape
+        past = layer.length
+        layer.attend_valid = None
+        layer.selection = None
+        limit = self.adapter.max_positions
+        if past + q_len > limit:
+            raise ContextTooLongError(
+                f"{past + q_len} tokens exceed the model's context of {limit} positions"
+                + (" (the prompt alone is too long)" if past == 0 else "")
+            )
+        sliding = self.adapter.sliding_window
+        if sliding is not None and past + q_len > sliding:
+            raise ContextTooLongError(
+                f"context of {past + q_len} tokens exceeds the model's sliding window ({sliding}); "
+                "sliding-window attention is not supported"
+            )
+        if layer_idx == 0:
+            if past == 0:
+                self.prefill_tokens = q_len
+                self.batch = b
+            elif q_len == 1:
+                self.decode_steps += 1
+
+        if self.policy == "dense":
+            if past == 0:
+                layer.dense_k, layer.dense_v = key_states, value_states
+            else:
+                layer.dense_k = torch.cat([layer.dense_k, key_states], dim=-2)
+                layer.dense_v = torch.cat([layer.dense_v, value_states], dim=-2)
+            layer.length += q_len
+            return layer.dense_k, layer.dense_v
+
+        if layer.tier is None:
+            layer.tier = make_tier("ram", b, hkv, d, self._kv_dtype(key_states.dtype), self.transfer)
+        layer.tier.append(key_states, value_states)
+        if self.is_speculated(layer_idx):
+            kp = skew_partial(key_states, self._skews[layer_idx], self._channels[layer_idx].to(key_states.device))
+            kp = kp.to(self._kv_dtype(key_states.dtype))
+            layer.partial_k = kp if layer.partial_k is None else torch.cat([layer.partial_k, kp], dim=-2)
+        layer.length += q_len
+
+        if past == 0:
+            return key_states, value_states  # prefill: dense, from the freshly computed KV
+        prefetched, layer.prefetched = layer.prefetched, None
+        if q_len > 1 or prefetched is None:
+            # Layers < dense_layers, the full-fetch policy, and chunked prefill read every row.
+            k_old, v_old = layer.tier.read_all(past, key_states.device, key_states.dtype)
+            if q_len == 1:
+                layer.stats.steps += 1
+                layer.stats.fraction_sum += 1.0
+            return torch.cat([k_old, key_states], dim=-2), torch.cat([v_old, value_states], dim=-2)
+        sel, k_sel, v_sel = prefetched
+        layer.selection = sel
+        layer.attend_valid = torch.cat(
+            [sel.valid, torch.ones(b, hkv, 1, dtype=torch.bool, device=sel.valid.device)], -1
+        )
+        frac = sel.fraction()
+        layer.stats.steps += 1
+        layer.stats.fraction_sum += frac
+        layer.stats.fractions.append(frac)
+        return torch.cat([k_sel.to(key_states.dtype), key_states], dim=-2), torch.cat(
+            [v_sel.to(value_states.dtype), value_states], dim=-2
+        )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("InfiniGenCache does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("InfiniGenCache does not support num_return_sequences > 1")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("InfiniGenCache does not support cropping (assisted decoding)")
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self) -> dict[str, Any]:
+        """What this generation moved and selected (decode steps only)."""
+        spec = [i for i in range(len(self.layers)) if self.is_speculated(i)]
+        fr = [
+            self.layers[i].stats.fraction_sum / self.layers[i].stats.steps for i in spec if self.layers[i].stats.steps
+        ]
+        rec = [
+            self.layers[i].stats.recall_sum / self.layers[i].stats.recall_n
+            for i in spec
+            if self.layers[i].stats.recall_n
+        ]
+        per_layer = []
+        for i, layer in enumerate(self.layers):
+            s = layer.stats
+            per_layer.append(
+                {
+                    "layer": i,
+                    "speculated": self.is_speculated(i),
+                    "fetched_fraction": (s.fraction_sum / s.steps) if s.steps else None,
+                    "recall": (s.recall_sum / s.recall_n) if s.recall_n else None,
+                }
+            )
+        tokens = max(self.decode_steps, 1) * max(self.batch, 1)
+        if self.policy == "dense":
+            fetched = None
+        elif self.policy == "full":
+            fetched = 1.0
+        else:
+            fetched = sum(fr) / len(fr) if fr else None
+        return {
+            "policy": self.policy,
+            "decode_steps": self.decode_steps,
+            "prefill_tokens": self.prefill_tokens,
+            "batch": self.batch,
+            "fetched_fraction": fetched,
+            "recall": sum(rec) / len(rec) if rec else None,
+            "bytes_fetched": self.transfer.bytes,
+            "rows_fetched": self.transfer.rows,
+            "bytes_fetched_per_token": self.transfer.bytes / tokens if self.decode_steps else 0.0,
+            "speculation_seconds": self.speculation_seconds,
+            "per_layer": per_layer,
+        }
+
+
+# ---------------------------------------------------------------------- attention function
+def infinigen_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
+    """Attention over the selected rows when the cache selected some; otherwise sdpa."""
+    cache = getattr(module, "_infinigen_cache", None)
+    layer = cache.layers[module.layer_idx] if isinstance(cache, InfiniGenCache) else None
+    if layer is None or layer.attend_valid is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    b, h, q_len, d = query.shape
+    hkv = key.shape[1]
+    scaling = d**-0.5 if scaling is None else scaling
+    k = key.repeat_interleave(h // hkv, dim=1).to(torch.float32)
+    v = value.repeat_interleave(h // hkv, dim=1).to(torch.float32)
+    valid = layer.attend_valid.repeat_interleave(h // hkv, dim=1)[:, :, None, :]
+    scores = torch.matmul(query.to(torch.float32), k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~valid, -math.inf)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v).to(query.dtype)
+    if cache.ig_config.measure_recall and layer.selection is not None:
+        _record_recall(cache, module.layer_idx, query, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _record_recall(cache: InfiniGenCache, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
+    """Attention mass of the selection under the true (dense) attention — evaluation only."""
+    layer = cache.layers[layer_idx]
+    k_all, _ = layer.tier.peek_all()
+    past = layer.length - 1
+    h = query.shape[1]
+    k = k_all[:, :, :past].to(query.device, torch.float32).repeat_interleave(h // k_all.shape[1], dim=1)
+    # Softmax over all cached positions and the current token; recall counts cached ones only.
+    scores = torch.matmul(query[:, :, -1:].to(torch.float32), k.transpose(-1, -2))[:, :, 0] * scaling
+    pad = ~cache.key_valid[:, None, :past]
+    scores = scores.masked_fill(pad, -math.inf)
+    probs = torch.softmax(scores, dim=-1)
+    rec = attention_recall(probs, layer.selection)
+    layer.stats.recall_sum += rec.mean().item()
+    layer.stats.recall_n += 1
+
+
+def register_attention() -> None:
+    """Make "infinigen" a valid attn_implementation (idempotent)."""
+    AttentionInterface.register(ATTN_NAME, infinigen_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    return get_adapter(model).attention_modules()

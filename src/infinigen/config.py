@@ -1,0 +1,88 @@
+"""InfiniGenConfig: every knob of the method in one validated place.
+
+Validation happens at construction so that a bad value fails before any model work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+POLICIES = ("infinigen", "full", "dense")
+AGGREGATIONS = ("max", "sum", "union")
+KV_DTYPES = (None, "float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value (raised before any work starts)."""
+
+
+@dataclass
+class InfiniGenConfig:
+    """Settings of InfiniGen and of the two reference policies.
+
+    policy:        ``infinigen`` (speculate and fetch the selection), ``full`` (fetch every row
+                   from the slow tier each step: the full-fetch offload baseline) or ``dense``
+                   (keep the whole KV cache with the compute: the upper bound).
+    alpha:         threshold in logit units: keep positions with ``s >= max(s) - alpha``;
+                   ``math.inf`` keeps everything.
+    partial_ratio: fraction r of the head dimension kept as partial channels.
+    budget:        cap on the selected positions as a fraction of the context, in (0, 1].
+    budget_tokens: optional absolute cap (positions per KV head); the smaller cap wins.
+    min_tokens:    floor on the selected positions per KV head (never more than the context).
+    dense_layers:  layers ``< dense_layers`` are not speculated and fetch everything.
+    aggregation:   how a GQA group's query-head scores become one selection per KV head.
+    skew:          use the SVD skew (``False``: identity, i.e. plain channel choice).
+    kv_dtype:      storage dtype of the slow tier (``None``: the model's dtype).
+    calibration_tokens: length of the calibration sequence (``None``: the model's context,
+                   capped at 8192) — the skew of RoPE models depends on position, so it must be
+                   calibrated over the positions that will be decoded.
+    measure_recall: also compute dense attention (outside the byte counters) to report the
+                   attention-mass recall of every selection; slow, for evaluation only.
+    """
+
+    policy: str = "infinigen"
+    alpha: float = 5.0
+    partial_ratio: float = 0.3
+    budget: float = 1.0
+    budget_tokens: int | None = None
+    min_tokens: int = 8
+    dense_layers: int = 2
+    aggregation: str = "union"
+    skew: bool = True
+    kv_dtype: str | None = None
+    calibration_tokens: int | None = None
+    measure_recall: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.alpha, (int, float)) or math.isnan(self.alpha) or self.alpha < 0:
+            raise ConfigError(f"alpha must be a number >= 0 (math.inf keeps everything), got {self.alpha!r}")
+        if not isinstance(self.partial_ratio, (int, float)) or not 0 < self.partial_ratio <= 1:
+            raise ConfigError(f"partial_ratio must be in (0, 1], got {self.partial_ratio!r}")
+        if not isinstance(self.budget, (int, float)) or not 0 < self.budget <= 1:
+            raise ConfigError(f"budget must be a fraction of the context in (0, 1], got {self.budget!r}")
+        if self.budget_tokens is not None and (not isinstance(self.budget_tokens, int) or self.budget_tokens < 1):
+            raise ConfigError(f"budget_tokens must be a positive integer or None, got {self.budget_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 1:
+            raise ConfigError(f"min_tokens must be an integer >= 1, got {self.min_tokens!r}")
+        if not isinstance(self.dense_layers, int) or self.dense_layers < 1:
+            # Layer 0 has no previous layer to speculate from, so at least one layer is dense.
+            raise ConfigError(f"dense_layers must be an integer >= 1, got {self.dense_layers!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.calibration_tokens is not None and (
+            not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 16
+        ):
+            raise ConfigError(f"calibration_tokens must be an integer >= 16 or None, got {self.calibration_tokens!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if math.isinf(out["alpha"]):
+            out["alpha"] = "inf"
+        return out

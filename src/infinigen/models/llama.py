@@ -1,0 +1,40 @@
+"""Llama-like families (Llama, Qwen2, Mistral): pre-norm, GQA, RoPE between projection and dot."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from infinigen.models.base import ModelAdapter
+
+
+class LlamaLikeAdapter(ModelAdapter):
+    family = "llama"
+    has_rope = True
+
+    def attention_modules(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.model.model.layers]
+
+    def _rope(self, x: torch.Tensor, position_embeddings) -> torch.Tensor:
+        cos, sin = position_embeddings
+        # apply_rotary_pos_emb rotates a (q, k) pair; rotate x as both and keep one.
+        rotated, _ = apply_rotary_pos_emb(x, x[:, :1], cos, sin)
+        return rotated
+
+    def queries(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
+        attn = self.attention_modules()[layer]
+        q = self._split_heads(attn.q_proj(x), self.num_heads)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
+        return self._rope(q, position_embeddings)
+
+    def keys(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
+        attn = self.attention_modules()[layer]
+        k = self._split_heads(attn.k_proj(x), self.num_kv_heads)
+        if hasattr(attn, "k_norm"):
+            k = attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
+        return self._rope(k, position_embeddings)
+
+    def scaling(self, layer: int) -> float:
+        return float(self.attention_modules()[layer].scaling)

@@ -1,0 +1,152 @@
+"""Pure tensor math of speculation and selection (no model code).
+
+Shapes: B batch, H query heads, Hkv KV heads (H = Hkv * G for a GQA group of size G),
+T cached positions, c partial channels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Selection:
+    """Which cached positions each (batch, KV head) row fetches.
+
+    indices: [B, Hkv, n] positions, ascending among the valid slots (padding slots hold 0).
+    valid:   [B, Hkv, n] True where the slot is a real selection.
+    context: number of non-padding cached positions per batch row, [B].
+    """
+
+    indices: torch.Tensor
+    valid: torch.Tensor
+    context: torch.Tensor
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.valid.sum(-1)
+
+    def fraction(self) -> float:
+        """Mean over (batch, KV head) rows of selected / context."""
+        ctx = self.context.clamp(min=1).to(torch.float32)[:, None]
+        return (self.counts.to(torch.float32) / ctx).mean().item()
+
+
+def skew_partial(x: torch.Tensor, skew: torch.Tensor | None, channels: torch.Tensor) -> torch.Tensor:
+    """Project per-head vectors onto the skewed partial channels.
+
+    x: [B, Hx, T, d] queries or keys; skew: [Hkv, d, d] or None (identity);
+    channels: [Hkv, c]. Query heads are mapped to their KV head (Hx = Hkv * G).
+    Returns [B, Hx, T, c].
+    """
+    hkv = channels.shape[0]
+    group = x.shape[1] // hkv
+    if skew is not None:
+        a = skew.to(x.dtype).repeat_interleave(group, dim=0)  # [Hx, d, d]
+        x = torch.einsum("bhtd,hde->bhte", x, a)
+    idx = channels.repeat_interleave(group, dim=0)  # [Hx, c]
+    idx = idx[None, :, None, :].expand(x.shape[0], -1, x.shape[2], -1)
+    return torch.gather(x, -1, idx)
+
+
+def partial_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Approximate attention logits from partial channels.
+
+    q_partial: [B, H, c] (one decode position); k_partial: [B, Hkv, T, c].
+    Returns [B, H, T].
+    """
+    b, h, c = q_partial.shape
+    hkv = k_partial.shape[1]
+    q = q_partial.reshape(b, hkv, h // hkv, c).to(k_partial.dtype)
+    s = torch.einsum("bgjc,bgtc->bgjt", q, k_partial)
+    return (s * scaling).reshape(b, h, -1)
+
+
+def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
+    """Turn a GQA group's query-head scores into one score per KV head.
+
+    scores: [B, H, T]; valid: [B, T] (False for padding). Returns [B, Hkv, T], -inf at padding.
+    The threshold rule ``g >= max(g) - alpha`` on the result implements:
+      max:   a position is kept if the group's largest score is within alpha of the group's top;
+      sum:   the same on the sum of the group's scores (a wider spread: fewer positions pass);
+      union: kept if it is within alpha of the top for *any* head of the group — computed as
+             g = max_h(s_h - max(s_h)), so max(g) = 0 and g >= -alpha is exactly the union.
+    """
+    b, h, t = scores.shape
+    s = scores.to(torch.float32).reshape(b, num_kv_heads, h // num_kv_heads, t)
+    pad = ~valid[:, None, None, :]
+    s = s.masked_fill(pad, -math.inf)
+    if how == "max":
+        g = s.amax(2)
+    elif how == "sum":
+        g = s.sum(2)
+    elif how == "union":
+        top = s.amax(-1, keepdim=True)
+        g = (s - top.clamp(min=-1e30)).amax(2)
+    else:
+        raise ValueError(f"unknown aggregation {how!r}; use max, sum or union")
+    return g.masked_fill(~valid[:, None, :], -math.inf)
+
+
+def select_positions(
+    group_scores: torch.Tensor,
+    valid: torch.Tensor,
+    alpha: float,
+    budget: float = 1.0,
+    budget_tokens: int | None = None,
+    min_tokens: int = 1,
+) -> Selection:
+    """Threshold, cap and floor, per (batch, KV head).
+
+    group_scores: [B, Hkv, T] (-inf at padding); valid: [B, T].
+    Keeps the positions with ``g >= max(g) - alpha``; caps the count at
+    ``min(ceil(budget * context), budget_tokens)``; raises it to ``min_tokens`` (never past the
+    context). Padding positions are never selected.
+    """
+    b, hkv, t = group_scores.shape
+    context = valid.sum(-1)  # [B]
+    ctx = context[:, None].expand(b, hkv)
+    if t == 0:
+        empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
+        return Selection(empty, empty.bool(), context)
+    top = group_scores.amax(-1, keepdim=True)
+    keep = group_scores >= (top - alpha)
+    keep &= valid[:, None, :]
+    count = keep.sum(-1)
+    cap = torch.ceil(ctx.to(torch.float64) * budget).to(torch.long)
+    if budget_tokens is not None:
+        cap = cap.clamp(max=budget_tokens)
+    count = torch.minimum(count, cap)
+    count = torch.maximum(count, torch.clamp(ctx, max=min_tokens))
+    count = torch.minimum(count, ctx)
+    n = int(count.max().item()) if count.numel() else 0
+    if n == 0:
+        empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
+        return Selection(empty, empty.bool(), context)
+    order = torch.topk(group_scores, n, dim=-1, sorted=True).indices  # best first
+    slot_valid = torch.arange(n, device=order.device)[None, None, :] < count[..., None]
+    # Ascending positions among valid slots (a sorted request reads better from a slow tier).
+    big = torch.iinfo(torch.long).max
+    keyed = torch.where(slot_valid, order, torch.full_like(order, big))
+    keyed, _ = keyed.sort(-1)
+    indices = torch.where(slot_valid, keyed, torch.zeros_like(keyed))
+    return Selection(indices, slot_valid, context)
+
+
+def attention_recall(true_probs: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """Attention mass captured by a selection, per (batch, query head).
+
+    true_probs: [B, H, T] softmax weights over the cached positions only (the current token
+    is excluded, as it is always attended). Returns [B, H] = sum of weights on the selected
+    positions / total weight on cached positions.
+    """
+    b, h, t = true_probs.shape
+    hkv = selection.indices.shape[1]
+    chosen = torch.zeros(b, hkv, t, dtype=true_probs.dtype, device=true_probs.device)
+    chosen.scatter_add_(-1, selection.indices, selection.valid.to(true_probs.dtype))
+    chosen = chosen.clamp(max=1).repeat_interleave(h // hkv, dim=1)
+    total = true_probs.sum(-1).clamp(min=1e-30)
+    return (true_probs * chosen).sum(-1) / total

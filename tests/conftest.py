@@ -1,0 +1,63 @@
+"""Tiny random models of every supported family, and an isolated cache folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 96
+
+
+def tiny_model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, max_position_embeddings=256)
+    if family == "llama":
+        cfg = LlamaConfig(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common)
+        model = LlamaForCausalLM(cfg)
+    elif family == "qwen2":
+        cfg = Qwen2Config(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common)
+        model = Qwen2ForCausalLM(cfg)
+    elif family == "mistral":
+        cfg = MistralConfig(
+            intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, sliding_window=None, **common
+        )
+        model = MistralForCausalLM(cfg)
+    elif family == "opt":
+        cfg = OPTConfig(ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, enable_bias=True, **common)
+        model = OPTForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    model = model.eval()
+    # Random init gives near-uniform attention; sharpen q/k so selection has something to find.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(6.0)
+    return model
+
+
+FAMILIES = ["llama", "qwen2", "mistral", "opt"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "infinigen-cache"))
+
+
+def left_padded_batch(seed: int = 1, length: int = 24, pad: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.long)
+    ids[1, :pad] = 0
+    mask[1, :pad] = 0
+    return ids, mask

@@ -1,0 +1,58 @@
+"""Bad input fails early, clearly, and leaves nothing half-done."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from conftest import left_padded_batch, tiny_model
+from infinigen import ContextTooLongError, InfiniGenCache, InfiniGenConfig, UnsupportedModelError, attach, detach
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)).eval()
+    with pytest.raises(UnsupportedModelError, match="gpt2.*supported: llama, mistral, opt, qwen2"):
+        attach(model, InfiniGenConfig(), progress=False)
+    assert not hasattr(model, "_infinigen_attachment")
+    assert model.config._attn_implementation != "infinigen"
+
+
+def test_prompt_longer_than_context_fails_before_any_work():
+    model = tiny_model("llama")  # 256 positions
+    cache = InfiniGenCache(model, InfiniGenConfig(calibration_tokens=64), progress=False)
+    ids = torch.randint(3, 96, (1, 300))
+    with pytest.raises(ContextTooLongError, match="300 tokens exceed the model's context of 256"):
+        model.generate(input_ids=ids, max_new_tokens=2, past_key_values=cache, do_sample=False)
+    assert all(layer.length == 0 and layer.tier is None for layer in cache.layers)
+    detach(model)
+
+
+def test_generation_check_counts_new_tokens():
+    from infinigen.generation import check_context
+
+    model = tiny_model("llama")
+    check_context(model, 200, 56)
+    with pytest.raises(ContextTooLongError, match="exceeds the model's context of 256"):
+        check_context(model, 200, 57)
+
+
+def test_beam_search_is_refused_clearly():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch()
+    cache = InfiniGenCache(model, InfiniGenConfig(calibration_tokens=64), progress=False)
+    with pytest.raises(NotImplementedError, match="beam search|num_return_sequences"):
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, past_key_values=cache, pad_token_id=0
+        )
+    detach(model)
+
+
+def test_attach_wraps_generate_and_detach_restores_it():
+    model = tiny_model("mistral")
+    ids, mask = left_padded_batch()
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with attach(model, InfiniGenConfig(alpha=float("inf"), calibration_tokens=64), progress=False) as att:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert att.model is model
+    assert torch.equal(out, ref)
+    assert "generate" not in model.__dict__
+    assert model.config._attn_implementation == "sdpa"

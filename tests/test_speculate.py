@@ -1,0 +1,134 @@
+"""Selection math against brute-force loops on small tensors."""
+
+import math
+
+import pytest
+import torch
+
+from infinigen.speculate import aggregate_group, attention_recall, partial_scores, select_positions, skew_partial
+
+
+def brute_select(g_row, valid_row, alpha, budget, budget_tokens, min_tokens):
+    """Reference for one (batch, KV head) row, written as plainly as possible."""
+    positions = [p for p in range(len(g_row)) if valid_row[p]]
+    ctx = len(positions)
+    if ctx == 0:
+        return set()
+    top = max(g_row[p] for p in positions)
+    kept = [p for p in positions if g_row[p] >= top - alpha]
+    cap = math.ceil(ctx * budget)
+    if budget_tokens is not None:
+        cap = min(cap, budget_tokens)
+    count = min(len(kept), cap)
+    count = max(count, min(ctx, min_tokens))
+    ranked = sorted(positions, key=lambda p: -g_row[p])
+    return set(ranked[:count])
+
+
+def random_case(seed, b=2, h=6, hkv=2, t=40):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(b, h, t, generator=g) * 3
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :7] = False  # left padding on the second row
+    return scores, valid, hkv
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(
+    "alpha,budget,budget_tokens,min_tokens",
+    [(2.0, 1.0, None, 1), (4.0, 0.1, None, 1), (0.5, 1.0, 5, 12), (3.0, 0.5, 7, 2)],
+)
+def test_threshold_cap_floor_match_brute_force(seed, alpha, budget, budget_tokens, min_tokens):
+    scores, valid, hkv = random_case(seed)
+    g = aggregate_group(scores, valid, hkv, "max")
+    sel = select_positions(g, valid, alpha, budget, budget_tokens, min_tokens)
+    for b in range(g.shape[0]):
+        for k in range(hkv):
+            got = {int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v}
+            want = brute_select(g[b, k].tolist(), valid[b].tolist(), alpha, budget, budget_tokens, min_tokens)
+            assert got == want
+            # Ascending order among valid slots, padding never selected.
+            ordered = [int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v]
+            assert ordered == sorted(ordered)
+            assert all(valid[b, p] for p in ordered)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_group_aggregations_match_definitions(seed):
+    scores, valid, hkv = random_case(seed)
+    group = scores.shape[1] // hkv
+    alpha = 2.5
+    for how in ("max", "sum", "union"):
+        g = aggregate_group(scores, valid, hkv, how)
+        sel = select_positions(g, valid, alpha)
+        for b in range(scores.shape[0]):
+            pos = [p for p in range(scores.shape[2]) if valid[b, p]]
+            for k in range(hkv):
+                heads = scores[b, k * group : (k + 1) * group]
+                if how == "max":
+                    agg = {p: max(heads[j, p].item() for j in range(group)) for p in pos}
+                    top = max(agg.values())
+                    want = {p for p in pos if agg[p] >= top - alpha}
+                elif how == "sum":
+                    agg = {p: sum(heads[j, p].item() for j in range(group)) for p in pos}
+                    top = max(agg.values())
+                    want = {p for p in pos if agg[p] >= top - alpha}
+                else:
+                    want = set()
+                    for j in range(group):
+                        top = max(heads[j, p].item() for p in pos)
+                        want |= {p for p in pos if heads[j, p].item() >= top - alpha}
+                got = {int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v}
+                assert got == want, how
+
+
+def test_union_contains_max_selection():
+    scores, valid, hkv = random_case(7)
+    s_max = select_positions(aggregate_group(scores, valid, hkv, "max"), valid, 3.0)
+    s_uni = select_positions(aggregate_group(scores, valid, hkv, "union"), valid, 3.0)
+    assert (s_uni.counts >= s_max.counts).all()
+
+
+def test_infinite_alpha_selects_every_real_position():
+    scores, valid, hkv = random_case(3)
+    sel = select_positions(aggregate_group(scores, valid, hkv, "union"), valid, math.inf)
+    assert sel.counts.tolist() == [[40, 40], [33, 33]]
+    assert sel.fraction() == pytest.approx(1.0)
+
+
+def test_all_padding_row_selects_nothing():
+    scores = torch.randn(1, 2, 5)
+    valid = torch.zeros(1, 5, dtype=torch.bool)
+    sel = select_positions(aggregate_group(scores, valid, 1, "max"), valid, 4.0, min_tokens=3)
+    assert sel.counts.sum() == 0
+
+
+def test_partial_scores_equal_full_scores_with_all_channels():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    k = torch.randn(2, 2, 10, 8, generator=g)
+    a = torch.linalg.qr(torch.randn(2, 8, 8, generator=g)).Q
+    ch = torch.arange(8).repeat(2, 1)
+    qp = skew_partial(q, a, ch)[:, :, 0]
+    kp = skew_partial(k, a, ch)
+    got = partial_scores(qp, kp, 0.5)
+    want = torch.einsum("bhd,bhtd->bht", q[:, :, 0], k.repeat_interleave(2, dim=1)) * 0.5
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_skew_partial_picks_the_right_columns():
+    x = torch.arange(2 * 4 * 3 * 6, dtype=torch.float32).reshape(2, 4, 3, 6)
+    ch = torch.tensor([[0, 5], [2, 3]])
+    out = skew_partial(x, None, ch)
+    assert torch.equal(out[:, :2], x[:, :2][..., [0, 5]])
+    assert torch.equal(out[:, 2:], x[:, 2:][..., [2, 3]])
+
+
+def test_recall_is_mass_on_selected_positions():
+    probs = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])  # [B=1, H=2, T=3], one KV head
+    scores = torch.log(probs)
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    sel = select_positions(aggregate_group(scores, valid, 1, "max"), valid, 0.0, min_tokens=1)
+    rec = attention_recall(probs, sel)
+    assert sel.counts.item() == 1 and int(sel.indices[0, 0, 0]) == 2
+    torch.testing.assert_close(rec, torch.tensor([[0.2, 0.8]]))
