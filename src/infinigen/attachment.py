@@ -158,9 +158,12 @@ def _pre_hook(module: nn.Module, args, kwargs, layer_idx: int):
     past = layer.length
     if layer_idx == 0:
         cache.observe_mask(kwargs.get("attention_mask"), x.shape[0], past + x.shape[1], x.device)
-    nxt = layer_idx + 1
-    if x.shape[1] == 1 and past > 0 and nxt < len(cache.layers) and cache.is_speculated(nxt):
-        cache.speculate(nxt, x, kwargs.get("position_embeddings"))
+    if x.shape[1] == 1 and past > 0 and cache.policy != "dense":
+        pe = kwargs.get("position_embeddings")
+        if layer_idx == 0:
+            cache.prefetch(0, x, pe)  # nothing earlier to overlap with
+        if layer_idx + 1 < len(cache.layers):
+            cache.prefetch(layer_idx + 1, x, pe)
     return None
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ class LayerStats:
     fraction_sum: float = 0.0
     recall_sum: float = 0.0
     recall_n: int = 0
+    wait_seconds: float = 0.0
     fractions: list[float] = field(default_factory=list)
 
 
@@ -69,7 +71,7 @@ class InfiniGenLayer(CacheLayerMixin):
         self.dense_k: torch.Tensor | None = None  # policy "dense": the whole KV with the compute
         self.dense_v: torch.Tensor | None = None
         self.partial_k: torch.Tensor | None = None  # [B, Hkv, T, c]
-        self.prefetched: tuple[Selection, torch.Tensor, torch.Tensor] | None = None
+        self.prefetched: tuple[Selection | None, Future] | None = None  # issued, not yet waited on
         self.attend_valid: torch.Tensor | None = None  # [B, Hkv, n+1] for the attention function
         self.selection: Selection | None = None
         self.length = 0
@@ -124,6 +126,7 @@ class InfiniGenCache(Cache):
         self.prefill_tokens = 0
         self.batch = 0
         self.speculation_seconds = 0.0
+        self.wait_seconds = 0.0
         self._skews: dict[int, torch.Tensor | None] = {}
         self._channels: dict[int, torch.Tensor] = {}
         if self.artifact is not None:
@@ -156,7 +159,20 @@ class InfiniGenCache(Cache):
             valid = valid.expand(batch, -1)
         self.key_valid = valid
 
-    # ------------------------------------------------------------------ speculation
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, layer_idx: int, x: torch.Tensor, position_embeddings) -> None:
+        """Issue layer_idx's fetch for the coming decode step (called before layer_idx-1's
+        attention, or before layer 0's own): speculated layers fetch their selection, the
+        others every row. The transfer runs while the current layer computes."""
+        layer = self.layers[layer_idx]
+        if layer.tier is None or layer.length == 0 or layer.prefetched is not None:
+            return
+        if self.is_speculated(layer_idx):
+            self.speculate(layer_idx, x, position_embeddings)
+        else:
+            fut = layer.tier.read_all_async(layer.length, x.device, layer.dtype)
+            layer.prefetched = (None, fut)
+
     @torch.no_grad()
     def speculate(self, layer_idx: int, x: torch.Tensor, position_embeddings) -> None:
         """Called with layer_idx-1's normalized attention input: choose layer_idx's rows and
@@ -180,8 +196,39 @@ class InfiniGenCache(Cache):
             self.ig_config.min_tokens,
         )
         self.speculation_seconds += time.perf_counter() - start
-        k, v = layer.tier.gather(sel.indices, sel.valid, x.device, layer.dtype)
-        layer.prefetched = (sel, k, v)
+        layer.prefetched = (sel, layer.tier.gather_async(sel.indices, sel.valid, x.device, layer.dtype))
+
+    def _wait(self, layer: InfiniGenLayer, fut) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        out = fut.result()
+        waited = time.perf_counter() - start
+        layer.stats.wait_seconds += waited
+        self.wait_seconds += waited
+        return out
+
+    def _new_tier(self, b: int, hkv: int, d: int, dtype: torch.dtype) -> KVTier:
+        cfg = self.ig_config
+        return make_tier(
+            cfg.tier,
+            b,
+            hkv,
+            d,
+            self._kv_dtype(dtype),
+            self.transfer,
+            capacity=self.adapter.max_positions,
+            directory=cfg.kv_dir,
+            threads=cfg.io_threads,
+        )
+
+    def _preflight(self, b: int, hkv: int, d: int, dtype: torch.dtype) -> None:
+        """Before the first KV byte is written: room for every layer's file on the disk tier."""
+        if self.ig_config.tier != "disk":
+            return
+        from infinigen.kv.disk import check_space
+
+        itemsize = torch.empty((), dtype=self._kv_dtype(dtype)).element_size()
+        per_layer = b * hkv * self.adapter.max_positions * 2 * d * itemsize
+        check_space(self.ig_config.kv_dir, per_layer * len(self.layers))
 
     # ------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -208,6 +255,8 @@ class InfiniGenCache(Cache):
             if past == 0:
                 self.prefill_tokens = q_len
                 self.batch = b
+                if self.policy != "dense":
+                    self._preflight(b, hkv, d, key_states.dtype)
             elif q_len == 1:
                 self.decode_steps += 1
 
@@ -220,8 +269,14 @@ class InfiniGenCache(Cache):
             layer.length += q_len
             return layer.dense_k, layer.dense_v
 
+        # Resolve this layer's transfer first: the tier is never written while it is read.
+        prefetched, layer.prefetched = layer.prefetched, None
+        if past > 0 and (q_len > 1 or prefetched is None):
+            prefetched = (None, layer.tier.read_all_async(past, key_states.device, key_states.dtype))
+        fetched = self._wait(layer, prefetched[1]) if prefetched is not None and past > 0 else None
+
         if layer.tier is None:
-            layer.tier = make_tier("ram", b, hkv, d, self._kv_dtype(key_states.dtype), self.transfer)
+            layer.tier = self._new_tier(b, hkv, d, key_states.dtype)
         layer.tier.append(key_states, value_states)
         if self.is_speculated(layer_idx):
             kp = skew_partial(key_states, self._skews[layer_idx], self._channels[layer_idx].to(key_states.device))
@@ -229,17 +284,18 @@ class InfiniGenCache(Cache):
             layer.partial_k = kp if layer.partial_k is None else torch.cat([layer.partial_k, kp], dim=-2)
         layer.length += q_len
 
-        if past == 0:
+        if fetched is None:
             return key_states, value_states  # prefill: dense, from the freshly computed KV
-        prefetched, layer.prefetched = layer.prefetched, None
-        if q_len > 1 or prefetched is None:
+        k_old, v_old = fetched
+        sel = prefetched[0]
+        if sel is None:
             # Layers < dense_layers, the full-fetch policy, and chunked prefill read every row.
-            k_old, v_old = layer.tier.read_all(past, key_states.device, key_states.dtype)
             if q_len == 1:
                 layer.stats.steps += 1
                 layer.stats.fraction_sum += 1.0
-            return torch.cat([k_old, key_states], dim=-2), torch.cat([v_old, value_states], dim=-2)
-        sel, k_sel, v_sel = prefetched
+            return torch.cat([k_old.to(key_states.dtype), key_states], dim=-2), torch.cat(
+                [v_old.to(value_states.dtype), value_states], dim=-2
+            )
         layer.selection = sel
         layer.attend_valid = torch.cat(
             [sel.valid, torch.ones(b, hkv, 1, dtype=torch.bool, device=sel.valid.device)], -1
@@ -248,9 +304,28 @@ class InfiniGenCache(Cache):
         layer.stats.steps += 1
         layer.stats.fraction_sum += frac
         layer.stats.fractions.append(frac)
-        return torch.cat([k_sel.to(key_states.dtype), key_states], dim=-2), torch.cat(
-            [v_sel.to(value_states.dtype), value_states], dim=-2
+        return torch.cat([k_old.to(key_states.dtype), key_states], dim=-2), torch.cat(
+            [v_old.to(value_states.dtype), value_states], dim=-2
         )
+
+    def close(self) -> None:
+        """Release the tiers (remove disk files); the cache is unusable afterwards."""
+        for layer in self.layers:
+            if layer.prefetched is not None:
+                try:
+                    layer.prefetched[1].result()
+                except Exception:
+                    pass
+                layer.prefetched = None
+            if layer.tier is not None:
+                layer.tier.close()
+                layer.tier = None
+
+    def __enter__(self) -> InfiniGenCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length
@@ -267,6 +342,13 @@ class InfiniGenCache(Cache):
             raise NotImplementedError("InfiniGenCache does not support cropping (assisted decoding)")
 
     # ------------------------------------------------------------------ reporting
+    def _amplification(self) -> float | None:
+        useful = sum(getattr(layer.tier, "bytes_useful", 0) for layer in self.layers if layer.tier is not None)
+        read = sum(getattr(layer.tier, "bytes_read", 0) for layer in self.layers if layer.tier is not None)
+        if self.ig_config.tier == "ram":
+            return 1.0 if self.transfer.bytes else None
+        return read / useful if useful else None
+
     def summary(self) -> dict[str, Any]:
         """What this generation moved and selected (decode steps only)."""
         spec = [i for i in range(len(self.layers)) if self.is_speculated(i)]
@@ -287,6 +369,7 @@ class InfiniGenCache(Cache):
                     "speculated": self.is_speculated(i),
                     "fetched_fraction": (s.fraction_sum / s.steps) if s.steps else None,
                     "recall": (s.recall_sum / s.recall_n) if s.recall_n else None,
+                    "wait_seconds": s.wait_seconds,
                 }
             )
         tokens = max(self.decode_steps, 1) * max(self.batch, 1)
@@ -307,6 +390,9 @@ class InfiniGenCache(Cache):
             "rows_fetched": self.transfer.rows,
             "bytes_fetched_per_token": self.transfer.bytes / tokens if self.decode_steps else 0.0,
             "speculation_seconds": self.speculation_seconds,
+            "wait_seconds": self.wait_seconds,
+            "tier": self.ig_config.tier,
+            "read_amplification": self._amplification(),
             "per_layer": per_layer,
         }
 

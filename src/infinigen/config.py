@@ -12,6 +12,8 @@ from typing import Any
 POLICIES = ("infinigen", "full", "dense")
 AGGREGATIONS = ("max", "sum", "union")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
+TIERS = ("ram", "disk")
+EVICTIONS = ("counter", "lru", "fifo")
 
 
 class ConfigError(ValueError):
@@ -40,6 +42,14 @@ class InfiniGenConfig:
                    calibrated over the positions that will be decoded.
     measure_recall: also compute dense attention (outside the byte counters) to report the
                    attention-mass recall of every selection; slow, for evaluation only.
+    tier:          the slow tier holding the full KV: ``ram`` (host memory) or ``disk`` (a file
+                   read with O_DIRECT under ``kv_dir``, default ``$INFINIGEN_KV_DIR`` or the
+                   system temporary folder).
+    io_threads:    reads in flight per disk tier.
+    host_capacity: fraction of the context each (batch, KV head) keeps in the host pool
+                   (``ram`` tier); 1.0 keeps everything. Below 1.0, eviction is lossy.
+    eviction:      victim policy when the host pool is full: ``counter`` (least often fetched),
+                   ``lru`` or ``fifo``.
     """
 
     policy: str = "infinigen"
@@ -54,6 +64,11 @@ class InfiniGenConfig:
     kv_dtype: str | None = None
     calibration_tokens: int | None = None
     measure_recall: bool = False
+    tier: str = "ram"
+    kv_dir: str | None = None
+    io_threads: int = 4
+    host_capacity: float = 1.0
+    eviction: str = "counter"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -80,6 +95,19 @@ class InfiniGenConfig:
             not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 16
         ):
             raise ConfigError(f"calibration_tokens must be an integer >= 16 or None, got {self.calibration_tokens!r}")
+
+        if self.tier not in TIERS:
+            raise ConfigError(f"tier must be one of {TIERS}, got {self.tier!r}")
+        if not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise ConfigError(f"io_threads must be an integer >= 1, got {self.io_threads!r}")
+        if not isinstance(self.host_capacity, (int, float)) or not 0 < self.host_capacity <= 1:
+            raise ConfigError(f"host_capacity must be a fraction in (0, 1], got {self.host_capacity!r}")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
+        if self.host_capacity < 1 and self.tier != "ram":
+            raise ConfigError("host_capacity < 1 applies to the host pool: use tier='ram'")
+        if self.host_capacity < 1 and self.policy != "infinigen":
+            raise ConfigError("host_capacity < 1 needs policy='infinigen' (the pool evicts by fetch statistics)")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 import torch
 
@@ -45,6 +46,26 @@ class KVTier(ABC):
     @abstractmethod
     def peek_all(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, for evaluation only: not counted, never on the decode path."""
+
+    def gather_async(self, indices, valid, device, dtype) -> Future:
+        """`gather` issued now, waited on later. Synchronous tiers return a finished Future."""
+        return _done(self.gather, indices, valid, device, dtype)
+
+    def read_all_async(self, upto, device, dtype) -> Future:
+        """`read_all` issued now, waited on later."""
+        return _done(self.read_all, upto, device, dtype)
+
+    def close(self) -> None:
+        """Release what the tier holds (files, buffers)."""
+
+
+def _done(fn, *args) -> Future:
+    fut: Future = Future()
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as exc:  # delivered to whoever waits, as a real async tier would
+        fut.set_exception(exc)
+    return fut
 
 
 class RamTier(KVTier):
@@ -106,7 +127,26 @@ class RamTier(KVTier):
         return self._k[:, :, : self.length], self._v[:, :, : self.length]
 
 
-def make_tier(name: str, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats) -> KVTier:
+TIERS = ("ram", "disk")
+
+
+def make_tier(
+    name: str,
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    stats: TransferStats,
+    capacity: int | None = None,
+    directory=None,
+    threads: int = 4,
+) -> KVTier:
     if name == "ram":
         return RamTier(batch, kv_heads, head_dim, dtype, stats)
-    raise ValueError(f"unknown KV tier {name!r}; available: ram")
+    if name == "disk":
+        from infinigen.kv.disk import DiskTier
+
+        if capacity is None:
+            raise ValueError("the disk tier needs a capacity (the model's context length)")
+        return DiskTier(batch, kv_heads, head_dim, dtype, stats, capacity, directory=directory, threads=threads)
+    raise ValueError(f"unknown KV tier {name!r}; available: {', '.join(TIERS)}")

@@ -1,0 +1,377 @@
+"""The disk tier: bit-identical to RAM, coalesced reads counted honestly, files cleaned up,
+clear errors for space, directories and short I/O."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import mmap
+import os
+import shutil
+import tempfile
+from collections import namedtuple
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinigen.kv.disk import DiskTier, KVCapacityError, KVStorageError
+from infinigen.kv.stats import TransferStats
+from infinigen.kv.tiers import RamTier
+
+B, H, D = 2, 3, 64
+PREFILL, DECODE = 300, 20
+CAPACITY = 400
+
+
+def _direct_ok(directory: Path) -> bool:
+    """Can a file in `directory` be written and read back with O_DIRECT?"""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        fd0, path = tempfile.mkstemp(dir=directory)
+    except OSError:
+        return False
+    os.close(fd0)
+    try:
+        fd = os.open(path, os.O_RDWR | flag)
+        try:
+            buf = mmap.mmap(-1, 4096)
+            return os.pwrite(fd, buf, 0) == 4096 and os.preadv(fd, [buf], 0) == 4096
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        os.unlink(path)
+
+
+@pytest.fixture
+def kv_dir(tmp_path):
+    """Keyword arguments (directory, allow_buffered) for a private directory where O_DIRECT
+    works if any candidate supports it; otherwise tmp_path in buffered mode."""
+    candidates = [tmp_path, Path("/var/tmp"), Path(__file__).resolve().parents[1] / ".pytest_kv"]
+    for base in candidates:
+        if base == tmp_path:
+            if _direct_ok(base):
+                yield {"directory": base, "allow_buffered": False}
+                return
+            continue
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            private = Path(tempfile.mkdtemp(prefix="kvtest-", dir=base))
+        except OSError:
+            continue
+        if _direct_ok(private):
+            try:
+                yield {"directory": private, "allow_buffered": False}
+            finally:
+                shutil.rmtree(private, ignore_errors=True)
+            return
+        shutil.rmtree(private, ignore_errors=True)
+    yield {"directory": tmp_path, "allow_buffered": True}
+
+
+def _pair(kv_dir, dtype=torch.float16, b=B, h=H, d=D, capacity=CAPACITY, **kw):
+    ram = RamTier(b, h, d, dtype, TransferStats())
+    disk = DiskTier(b, h, d, dtype, TransferStats(), capacity=capacity, **kv_dir, **kw)
+    return ram, disk
+
+
+def _append_both(ram, disk, n, gen):
+    b, h, d = ram.batch, ram.kv_heads, ram.head_dim
+    k = torch.randn(b, h, n, d, generator=gen)
+    v = torch.randn(b, h, n, d, generator=gen)
+    ram.append(k, v)
+    disk.append(k, v)
+
+
+def _selection(b, h, n, length, gen, p_valid=0.8):
+    """Ascending positions among valid slots, padding slots hold 0."""
+    idx = torch.stack([torch.randperm(length, generator=gen)[:n] for _ in range(b * h)]).view(b, h, n)
+    valid = torch.rand(b, h, n, generator=gen) < p_valid
+    big = torch.full_like(idx, length)
+    idx = torch.where(valid, idx, big).sort(-1).values
+    valid = idx < length
+    return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def _files(directory) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize(
+    "dtype,d",
+    [(torch.float16, 64), (torch.float32, 64), (torch.bfloat16, 64), (torch.float16, 40)],
+    ids=["fp16", "fp32", "bf16", "fp16-d40-straddling"],
+)
+def test_bit_identical_to_ram(kv_dir, dtype, d):
+    gen = torch.Generator().manual_seed(0)
+    ram, disk = _pair(kv_dir, dtype, d=d)
+    with disk:
+        _append_both(ram, disk, PREFILL, gen)
+        for step in range(DECODE):
+            _append_both(ram, disk, 1, gen)
+            if step % 5 == 0:
+                for out in (dtype, torch.float32):
+                    idx, valid = _selection(B, H, 40, ram.length, gen)
+                    kr, vr = ram.gather(idx, valid, torch.device("cpu"), out)
+                    kd, vd = disk.gather(idx, valid, torch.device("cpu"), out)
+                    assert kd.dtype == out and kd.shape == (B, H, 40, d)
+                    assert torch.equal(kr, kd) and torch.equal(vr, vd)
+                    assert not kd[~valid].any() and not vd[~valid].any()
+        assert disk.length == ram.length == PREFILL + DECODE
+        for upto in (0, 1, 17, PREFILL, ram.length):
+            kr, vr = ram.read_all(upto, torch.device("cpu"), torch.float32)
+            kd, vd = disk.read_all(upto, torch.device("cpu"), torch.float32)
+            assert torch.equal(kr, kd) and torch.equal(vr, vd)
+        kr, vr = ram.peek_all()
+        kd, vd = disk.peek_all()
+        assert kd.dtype == dtype and torch.equal(kr, kd) and torch.equal(vr, vd)
+        # Everything selected, nothing valid, all edge positions.
+        full = torch.arange(ram.length).expand(B, H, -1).contiguous()
+        for valid in (torch.ones_like(full, dtype=torch.bool), torch.zeros_like(full, dtype=torch.bool)):
+            kr, vr = ram.gather(full, valid, torch.device("cpu"), dtype)
+            kd, vd = disk.gather(full, valid, torch.device("cpu"), dtype)
+            assert torch.equal(kr, kd) and torch.equal(vr, vd)
+
+
+def test_decode_appends_write_one_block_per_region(kv_dir, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    ram, disk = _pair(kv_dir)
+    with disk:
+        _append_both(ram, disk, PREFILL, gen)
+        writes = []
+        real = os.pwrite
+
+        def counting(fd, buf, off):
+            writes.append((len(buf), off % disk.block_size))
+            return real(fd, buf, off)
+
+        monkeypatch.setattr(os, "pwrite", counting)
+        _append_both(ram, disk, 1, gen)
+        assert writes == [(disk.block_size, 0)] * (B * H)
+        writes.clear()
+        _append_both(ram, disk, 50, gen)  # a chunk: one write per region
+        assert len(writes) == B * H
+        assert torch.equal(ram.peek_all()[0], disk.peek_all()[0])
+
+
+def test_coalescing_and_counting(kv_dir, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    ram, disk = _pair(kv_dir)  # fp16, d=64: 256-byte records, 16 per 4 KiB block
+    rec, blk = disk.record_bytes, disk.block_size
+    assert rec == 256
+    with disk:
+        _append_both(ram, disk, PREFILL + DECODE, gen)
+        n = disk.length
+        read = []
+        real = os.preadv
+
+        def counting(fd, bufs, off):
+            got = real(fd, bufs, off)
+            read.append(got)
+            return got
+
+        monkeypatch.setattr(os, "preadv", counting)
+
+        def select(positions, b=0, h=1):
+            idx = torch.zeros(B, H, len(positions), dtype=torch.long)
+            valid = torch.zeros(B, H, len(positions), dtype=torch.bool)
+            idx[b, h] = torch.tensor(positions)
+            valid[b, h] = True
+            return idx, valid
+
+        # Every position of one region: exactly the blocks holding it, amplification 1.
+        disk.stats.reset()
+        read.clear()
+        before_read, before_useful = disk.bytes_read, disk.bytes_useful
+        disk.gather(*select(list(range(n))), torch.device("cpu"), torch.float16)
+        expect = -(-n * rec // blk) * blk
+        assert disk.stats.bytes == sum(read) == expect
+        assert disk.stats.rows == n
+        assert disk.bytes_useful - before_useful == n * rec
+        assert disk.bytes_read - before_read == expect
+        assert len(read) == 1  # one contiguous run, one request
+
+        # Scattered: one row every 4 blocks (gap of 3 > coalesce_gap_blocks=2) -> one block each.
+        disk.stats.reset()
+        read.clear()
+        before_read, before_useful = disk.bytes_read, disk.bytes_useful
+        pos = list(range(0, n, 64))
+        disk.gather(*select(pos), torch.device("cpu"), torch.float16)
+        assert disk.stats.bytes == sum(read) == len(pos) * blk
+        assert len(read) == len(pos)
+        amp = (disk.bytes_read - before_read) / (disk.bytes_useful - before_useful)
+        assert amp == blk / rec > 1
+
+        # One row every 2 blocks (gap of 1): merged into a single run including the gaps.
+        disk.stats.reset()
+        read.clear()
+        pos = list(range(0, n, 32))
+        disk.gather(*select(pos), torch.device("cpu"), torch.float16)
+        assert disk.stats.bytes == sum(read) == ((pos[-1] * rec) // blk + 1) * blk
+        assert len(read) == 1
+
+        # read_all: one sequential read per region, counted exactly.
+        disk.stats.reset()
+        read.clear()
+        disk.read_all(n, torch.device("cpu"), torch.float16)
+        assert len(read) == B * H
+        assert disk.stats.bytes == sum(read) == B * H * expect
+        assert disk.stats.rows == B * H * n
+
+        # peek_all reads but does not count.
+        disk.stats.reset()
+        disk.peek_all()
+        assert disk.stats.bytes == disk.stats.requests == 0
+        assert disk.read_amplification > 1
+
+
+def test_gather_async_returns_future_equal_to_gather(kv_dir):
+    gen = torch.Generator().manual_seed(3)
+    ram, disk = _pair(kv_dir)
+    with disk:
+        _append_both(ram, disk, PREFILL, gen)
+        idx, valid = _selection(B, H, 64, disk.length, gen)
+        requests, nbytes = disk.stats.requests, disk.stats.bytes
+        fut = disk.gather_async(idx, valid, torch.device("cpu"), torch.float32)
+        assert isinstance(fut, Future)
+        ka, va = fut.result(timeout=30)
+        assert disk.stats.requests == requests + 1  # the future's work is counted once
+        once = disk.stats.bytes - nbytes
+        assert once > 0
+        kg, vg = disk.gather(idx, valid, torch.device("cpu"), torch.float32)
+        assert torch.equal(ka, kg) and torch.equal(va, vg)
+        assert disk.stats.requests == requests + 2 and disk.stats.bytes - nbytes == 2 * once
+        kr, _ = ram.gather(idx, valid, torch.device("cpu"), torch.float32)
+        assert torch.equal(ka, kr)
+
+
+def test_instances_use_distinct_files_and_clean_up(kv_dir):
+    directory = kv_dir["directory"]
+    stats = TransferStats()
+    a = DiskTier(1, 1, 64, torch.float16, stats, capacity=64, **kv_dir)
+    b = DiskTier(1, 1, 64, torch.float16, stats, capacity=64, **kv_dir)
+    assert a.path != b.path and a.path.exists() and b.path.exists()
+    assert a.path.parent == b.path.parent == Path(directory)
+    if not kv_dir["allow_buffered"]:
+        assert a.direct and b.direct
+
+    a.close()
+    a.close()  # idempotent
+    assert not a.path.exists() and b.path.exists()
+    with pytest.raises(ValueError, match="closed"):
+        a.append(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64))
+
+    path = b.path
+    del b
+    gc.collect()
+    assert not path.exists()
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with DiskTier(1, 1, 64, torch.float16, stats, capacity=64, **kv_dir) as c:
+            path = c.path
+            c.append(torch.zeros(1, 1, 3, 64), torch.zeros(1, 1, 3, 64))
+            raise RuntimeError("boom")
+    assert not path.exists()
+    assert _files(directory) == []
+
+
+def test_default_directory_from_environment(kv_dir, monkeypatch):
+    monkeypatch.setenv("INFINIGEN_KV_DIR", str(kv_dir["directory"]))
+    with DiskTier(1, 2, 64, torch.float16, TransferStats(), capacity=10, allow_buffered=kv_dir["allow_buffered"]) as t:
+        assert t.path.parent == Path(kv_dir["directory"])
+        assert t.region_bytes == t.block_size  # 10 * 256 bytes padded to one block
+        assert os.path.getsize(t.path) == 2 * t.block_size
+
+
+def test_not_enough_space_fails_before_creating_a_file(kv_dir, monkeypatch):
+    directory = kv_dir["directory"]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10_000, 9_000, 1_000))
+    with pytest.raises(KVStorageError, match="not enough free space") as info:
+        DiskTier(B, H, D, torch.float16, TransferStats(), capacity=CAPACITY, **kv_dir)
+    msg = str(info.value)
+    assert str(directory) in msg and "1000 free" in msg
+    assert f"needs {B * H * 25 * 4096} bytes" in msg  # 400 * 256 B = 25 blocks per region
+    assert info.value.errno == errno.ENOSPC
+    assert _files(directory) == []
+
+
+def test_unusable_directory_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    bad = tmp_path / "file" / "sub"
+    with pytest.raises(KVStorageError, match=str(bad)):
+        DiskTier(1, 1, 64, torch.float16, TransferStats(), capacity=16, directory=bad)
+    assert _files(tmp_path) == ["file"]
+
+
+def test_refused_o_direct_names_directory_or_falls_back(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    real = os.open
+
+    def refusing(path, flags, *args, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", refusing)
+    with pytest.raises(KVStorageError, match=f"{tmp_path}.*refuses O_DIRECT.*allow_buffered"):
+        DiskTier(1, 1, 64, torch.float16, TransferStats(), capacity=16, directory=tmp_path)
+    assert _files(tmp_path) == []
+
+    gen = torch.Generator().manual_seed(4)
+    ram, disk = _pair({"directory": tmp_path}, allow_buffered=True)
+    with disk:
+        assert disk.direct is False
+        _append_both(ram, disk, 50, gen)
+        _append_both(ram, disk, 1, gen)
+        idx, valid = _selection(B, H, 10, ram.length, gen)
+        assert torch.equal(
+            ram.gather(idx, valid, torch.device("cpu"), torch.float16)[1],
+            disk.gather(idx, valid, torch.device("cpu"), torch.float16)[1],
+        )
+    assert _files(tmp_path) == []
+
+
+def test_short_read_and_write_raise(kv_dir, monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    ram, disk = _pair(kv_dir)
+    with disk:
+        _append_both(ram, disk, 40, gen)
+        real_read = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: max(real_read(fd, bufs, off) - 512, 0))
+        idx, valid = _selection(B, H, 8, disk.length, gen)
+        with pytest.raises(KVStorageError, match="short read"):
+            disk.gather(idx, valid, torch.device("cpu"), torch.float16)
+        with pytest.raises(KVStorageError, match="short read"):
+            disk.gather_async(idx, valid, torch.device("cpu"), torch.float16).result()
+        with pytest.raises(KVStorageError, match="short read"):
+            disk.read_all(disk.length, torch.device("cpu"), torch.float16)
+        monkeypatch.setattr(os, "preadv", real_read)
+
+        real_write = os.pwrite
+        monkeypatch.setattr(os, "pwrite", lambda fd, buf, off: real_write(fd, buf, off) - 512)
+        with pytest.raises(KVStorageError, match="short write"):
+            _append_both(ram, disk, 1, gen)
+
+
+def test_capacity_and_bad_selections(kv_dir):
+    gen = torch.Generator().manual_seed(6)
+    ram, disk = _pair(kv_dir, capacity=32)
+    with disk:
+        _append_both(ram, disk, 30, gen)
+        with pytest.raises(KVCapacityError, match="sized for 32 positions"):
+            disk.append(torch.zeros(B, H, 3, D), torch.zeros(B, H, 3, D))
+        assert disk.length == 30
+        _append_both(ram, disk, 2, gen)  # exactly full is fine
+        assert torch.equal(ram.peek_all()[0], disk.peek_all()[0])
+        idx = torch.full((B, H, 1), 32)
+        with pytest.raises(IndexError, match="selected position 32 but the tier holds 32"):
+            disk.gather(idx, torch.ones_like(idx, dtype=torch.bool), torch.device("cpu"), torch.float16)
+        with pytest.raises(ValueError, match="tier holds"):
+            disk.append(torch.zeros(B, H + 1, 1, D), torch.zeros(B, H + 1, 1, D))
