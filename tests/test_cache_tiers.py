@@ -132,3 +132,41 @@ def test_two_caches_never_share_a_file(tmp_path):
     a.close()
     b.close()
     detach(model)
+
+
+def test_host_pool_at_full_capacity_changes_nothing():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(length=40, pad=6)
+    base = dict(alpha=1.0, calibration_tokens=64, min_tokens=2)
+    ref = _generate(model, ids, mask, InfiniGenCache(model, InfiniGenConfig(**base), progress=False))
+    pooled = InfiniGenCache(model, InfiniGenConfig(host_capacity=1.0, **base), progress=False)
+    out = _generate(model, ids, mask, pooled)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert pooled.summary()["evictions"] == 0
+    detach(model)
+
+
+@pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
+def test_capped_host_pool_evicts_and_never_selects_what_it_evicted(eviction):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(length=40, pad=6)
+    cfg = InfiniGenConfig(alpha=2.0, calibration_tokens=64, host_capacity=0.5, eviction=eviction, min_tokens=2)
+    cache = InfiniGenCache(model, cfg, progress=False)
+    seen = []
+    orig = cache.speculate
+
+    def spy(layer_idx, x, pe):
+        orig(layer_idx, x, pe)
+        layer = cache.layers[layer_idx]
+        sel = layer.prefetched[0]
+        resident = layer.pool.resident(layer.length)
+        chosen = torch.zeros_like(resident, dtype=torch.long).scatter_add_(-1, sel.indices, sel.valid.long()) > 0
+        seen.append(bool((chosen & ~resident).any()))
+
+    cache.speculate = spy
+    _generate(model, ids, mask, cache, n=8)
+    s = cache.summary()
+    assert s["evictions"] > 0 and seen and not any(seen)
+    for layer in cache.layers[cfg.dense_layers :]:
+        assert layer.pool.capacity == 20 and layer.tier.length == 20
+    detach(model)

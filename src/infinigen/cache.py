@@ -27,6 +27,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from infinigen.config import InfiniGenConfig
 from infinigen.kv import KVTier, TransferStats, make_tier
+from infinigen.kv.pool import HostPool, capacity_slots
+from infinigen.kv.tiers import SlotRamTier
 from infinigen.models import ModelAdapter, get_adapter
 from infinigen.skew import SkewArtifact
 from infinigen.speculate import (
@@ -74,6 +76,7 @@ class InfiniGenLayer(CacheLayerMixin):
         self.prefetched: tuple[Selection | None, Future] | None = None  # issued, not yet waited on
         self.attend_valid: torch.Tensor | None = None  # [B, Hkv, n+1] for the attention function
         self.selection: Selection | None = None
+        self.pool: HostPool | None = None
         self.length = 0
         self.stats = LayerStats()
 
@@ -144,6 +147,11 @@ class InfiniGenCache(Cache):
     def is_speculated(self, layer_idx: int) -> bool:
         return self.policy == "infinigen" and layer_idx >= self.ig_config.dense_layers
 
+    def _pooled(self, layer_idx: int) -> bool:
+        """Speculated layers keep a capped host pool when host_capacity < 1 (dense layers
+        read every row, so they keep everything)."""
+        return self.ig_config.host_capacity < 1 and self.is_speculated(layer_idx)
+
     def _kv_dtype(self, compute: torch.dtype) -> torch.dtype:
         return _DTYPES[self.ig_config.kv_dtype] if self.ig_config.kv_dtype else compute
 
@@ -187,16 +195,15 @@ class InfiniGenCache(Cache):
         scores = partial_scores(q_part, layer.partial_k[:, :, :past].to(torch.float32), self.adapter.scaling(layer_idx))
         valid = self.key_valid[:, :past]
         g = aggregate_group(scores, valid, self.adapter.num_kv_heads, self.ig_config.aggregation)
-        sel = select_positions(
-            g,
-            valid,
-            self.ig_config.alpha,
-            self.ig_config.budget,
-            self.ig_config.budget_tokens,
-            self.ig_config.min_tokens,
-        )
+        cfg = self.ig_config
+        available = layer.pool.resident(past).to(g.device) if layer.pool is not None else None
+        sel = select_positions(g, valid, cfg.alpha, cfg.budget, cfg.budget_tokens, cfg.min_tokens, available)
+        rows = sel.indices
+        if layer.pool is not None:
+            layer.pool.record_fetch(sel.indices.cpu(), sel.valid.cpu(), self.decode_steps)
+            rows = layer.pool.slots_of(sel.indices.cpu(), sel.valid.cpu()).to(sel.indices.device)
         self.speculation_seconds += time.perf_counter() - start
-        layer.prefetched = (sel, layer.tier.gather_async(sel.indices, sel.valid, x.device, layer.dtype))
+        layer.prefetched = (sel, layer.tier.gather_async(rows, sel.valid, x.device, layer.dtype))
 
     def _wait(self, layer: InfiniGenLayer, fut) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
@@ -276,8 +283,18 @@ class InfiniGenCache(Cache):
         fetched = self._wait(layer, prefetched[1]) if prefetched is not None and past > 0 else None
 
         if layer.tier is None:
-            layer.tier = self._new_tier(b, hkv, d, key_states.dtype)
-        layer.tier.append(key_states, value_states)
+            if self._pooled(layer_idx):
+                slots = capacity_slots(self.ig_config.host_capacity, q_len)
+                layer.pool = HostPool(b, hkv, slots, self.ig_config.eviction)
+                layer.tier = SlotRamTier(b, hkv, d, self._kv_dtype(key_states.dtype), self.transfer, slots)
+            else:
+                layer.tier = self._new_tier(b, hkv, d, key_states.dtype)
+        if layer.pool is not None:
+            new_valid = self.key_valid[:, past : past + q_len] if self.key_valid is not None else None
+            slots, _ = layer.pool.admit(q_len, None if new_valid is None else new_valid.cpu())
+            layer.tier.write(slots, key_states, value_states)
+        else:
+            layer.tier.append(key_states, value_states)
         if self.is_speculated(layer_idx):
             kp = skew_partial(key_states, self._skews[layer_idx], self._channels[layer_idx].to(key_states.device))
             kp = kp.to(self._kv_dtype(key_states.dtype))
@@ -392,6 +409,8 @@ class InfiniGenCache(Cache):
             "speculation_seconds": self.speculation_seconds,
             "wait_seconds": self.wait_seconds,
             "tier": self.ig_config.tier,
+            "evictions": sum(layer.pool.evictions for layer in self.layers if layer.pool is not None),
+            "host_capacity": self.ig_config.host_capacity,
             "read_amplification": self._amplification(),
             "per_layer": per_layer,
         }
@@ -425,7 +444,7 @@ def infinigen_attention(
     scores = scores.masked_fill(~valid, -math.inf)
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v).to(query.dtype)
-    if cache.ig_config.measure_recall and layer.selection is not None:
+    if cache.ig_config.measure_recall and layer.selection is not None and layer.pool is None:
         _record_recall(cache, module.layer_idx, query, scaling)
     return out.transpose(1, 2).contiguous(), None
 

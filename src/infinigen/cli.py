@@ -253,7 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: shipped prose)")
     s.add_argument("--output", default=None, help="artifact path (default: the user cache folder)")
     s.set_defaults(func=cmd_skew)
+    b = sub.add_parser("bench", help="benchmarks (commands that print a table and write JSON, not tests)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from infinigen.bench.decode import build_parser as decode_parser
+
+    bd = bsub.add_parser("decode", help="decode tokens/s and bytes read per token, every policy side by side")
+    decode_parser(bd)
+    bd.set_defaults(func=cmd_bench_decode)
     return ap
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from infinigen.bench.decode import run_parent
+
+    return run_parent(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,14 +98,19 @@ def select_positions(
     budget: float = 1.0,
     budget_tokens: int | None = None,
     min_tokens: int = 1,
+    available: torch.Tensor | None = None,
 ) -> Selection:
     """Threshold, cap and floor, per (batch, KV head).
 
     group_scores: [B, Hkv, T] (-inf at padding); valid: [B, T].
     Keeps the positions with ``g >= max(g) - alpha``; caps the count at
     ``min(ceil(budget * context), budget_tokens)``; raises it to ``min_tokens`` (never past the
-    context). Padding positions are never selected.
+    context). Padding positions are never selected. ``available`` [B, Hkv, T] (optional) marks
+    the positions that can be fetched at all (a capped host pool evicts some); the context —
+    and so the fraction — still counts every real position.
     """
+    if available is not None:
+        group_scores = group_scores.masked_fill(~available, -math.inf)
     b, hkv, t = group_scores.shape
     context = valid.sum(-1)  # [B]
     ctx = context[:, None].expand(b, hkv)
@@ -115,6 +120,8 @@ def select_positions(
     top = group_scores.amax(-1, keepdim=True)
     keep = group_scores >= (top - alpha)
     keep &= valid[:, None, :]
+    if available is not None:
+        keep &= available
     count = keep.sum(-1)
     cap = torch.ceil(ctx.to(torch.float64) * budget).to(torch.long)
     if budget_tokens is not None:
@@ -122,6 +129,8 @@ def select_positions(
     count = torch.minimum(count, cap)
     count = torch.maximum(count, torch.clamp(ctx, max=min_tokens))
     count = torch.minimum(count, ctx)
+    if available is not None:
+        count = torch.minimum(count, (available & valid[:, None, :]).sum(-1))
     n = int(count.max().item()) if count.numel() else 0
     if n == 0:
         empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)

@@ -55,7 +55,7 @@ class KVTier(ABC):
         """`read_all` issued now, waited on later."""
         return _done(self.read_all, upto, device, dtype)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release what the tier holds (files, buffers)."""
 
 
@@ -128,6 +128,29 @@ class RamTier(KVTier):
 
 
 TIERS = ("ram", "disk")
+
+
+class SlotRamTier(RamTier):
+    """Host RAM with a fixed number of slots per (batch, KV head), written where a host pool
+    says; `gather` takes slot indices. Used when the pool holds less than the whole context."""
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats, slots: int):
+        super().__init__(batch, kv_heads, head_dim, dtype, stats)
+        self._k = torch.zeros(batch, kv_heads, slots, head_dim, dtype=dtype)
+        self._v = torch.zeros_like(self._k)
+        self.length = slots
+
+    def append(self, keys, values):
+        raise RuntimeError("a slotted tier is written with write(slots, keys, values)")
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys/values [B, Hkv, n, d] at `slots` [B, Hkv, n] (-1: not stored)."""
+        where = (slots >= 0).nonzero(as_tuple=True)
+        self._k[where[0], where[1], slots[where]] = keys[where].detach().to("cpu", self.dtype)
+        self._v[where[0], where[1], slots[where]] = values[where].detach().to("cpu", self.dtype)
+
+    def read_all(self, upto, device, dtype):
+        raise RuntimeError("a capped host pool cannot return every position (some were evicted)")
 
 
 def make_tier(

@@ -1,0 +1,308 @@
+"""`infinigen bench decode`: decode throughput and bytes moved, every policy side by side.
+
+For each context length the prompt (real prose) is prefilled once with the unmodified model and
+its KV saved; each (policy, batch) then runs in its own process — so that its peak RSS is its
+own — which streams that KV into the policy's tier exactly as a prefill would, and times
+`steps` greedy decode steps. Ratios are taken between rows of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_POLICIES = ("dense", "full", "infinigen")
+
+
+# ---------------------------------------------------------------------- prefill (parent)
+@torch.no_grad()
+def save_prefill(model, ids: torch.Tensor, path: Path, kv_dtype: torch.dtype) -> None:
+    """Prefill `ids` [1, T] with the plain model; save every layer's KV and the next token."""
+    from safetensors.torch import save_file
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tensors = {"next_token": out.logits[:, -1].argmax(-1)}
+    for i, layer in enumerate(cache.layers):
+        tensors[f"layer.{i}.k"] = layer.keys.to(kv_dtype).contiguous()
+        tensors[f"layer.{i}.v"] = layer.values.to(kv_dtype).contiguous()
+    save_file(tensors, str(path))
+
+
+# ---------------------------------------------------------------------- one configuration (child)
+@torch.no_grad()
+def run_child(args: argparse.Namespace) -> dict:
+    from safetensors import safe_open
+
+    from infinigen.cache import InfiniGenCache
+    from infinigen.config import InfiniGenConfig
+    from infinigen.loading import load_model
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    model, tok = load_model(args.model, progress=False)
+    rss_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cfg = InfiniGenConfig(
+        policy=args.policy,
+        tier=args.tier,
+        kv_dir=args.kv_dir,
+        kv_dtype=args.kv_dtype,
+        alpha=args.alpha,
+        partial_ratio=args.partial_ratio,
+        io_threads=args.io_threads,
+    )
+    cache = InfiniGenCache(model, cfg, tokenizer=tok, progress=False)
+    b = args.batch
+    with safe_open(args.kv_file, framework="pt") as f:
+        nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous()
+        n_layers = len(cache.layers)
+        # Stream the saved prefill into the cache layer by layer, as a prefill would.
+        for i in range(n_layers):
+            k = f.get_tensor(f"layer.{i}.k").to(torch.float32).expand(b, -1, -1, -1).contiguous()
+            v = f.get_tensor(f"layer.{i}.v").to(torch.float32).expand(b, -1, -1, -1).contiguous()
+            cache.update(k, v, i)
+            del k, v
+    context = cache.get_seq_length()
+    cache.key_valid = torch.ones(b, context, dtype=torch.bool)
+    cache.transfer.reset()
+    cache.speculation_seconds = cache.wait_seconds = 0.0
+    step_times = []
+    tokens = nxt
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out = model(input_ids=tokens, past_key_values=cache, use_cache=True)
+        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+        step_times.append(time.perf_counter() - t0)
+    s = cache.summary()
+    warm = step_times[1:] if len(step_times) > 1 else step_times  # the first step warms caches
+    decode = sum(warm)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cache.close()
+    steps = len(step_times)
+    kv_bytes = sum(2 * b * model.config.num_key_value_heads * context * cache.adapter.head_dim for _ in cache.layers)
+    kv_bytes *= torch.empty((), dtype=getattr(torch, args.kv_dtype)).element_size()
+    return {
+        "policy": args.policy,
+        "context": context,
+        "batch": b,
+        "steps": steps,
+        "tokens_per_s": len(warm) * b / decode if decode > 0 else float("nan"),
+        "step_ms_median": 1000 * sorted(warm)[len(warm) // 2],
+        "bytes_read_per_token": s["bytes_fetched"] / (steps * b) if args.policy != "dense" else 0.0,
+        "read_amplification": s["read_amplification"] if args.policy != "dense" else None,
+        "fetched_fraction": s["fetched_fraction"],
+        "speculation_pct": 100 * s["speculation_seconds"] / sum(step_times) if step_times else 0.0,
+        "wait_ms_per_step": 1000 * s["wait_seconds"] / steps,
+        "wait_ms_per_layer": [1000 * p["wait_seconds"] / steps for p in s["per_layer"]],
+        "peak_rss_bytes": peak,
+        "rss_after_model_bytes": rss_model,
+        "kv_cache_bytes": kv_bytes,
+        "tier": args.tier if args.policy != "dense" else "compute",
+    }
+
+
+# ---------------------------------------------------------------------- parent
+def _prompt_ids(tok, context: int) -> torch.Tensor:
+    from infinigen.skew import calibration_text
+
+    ids = tok(calibration_text(), return_tensors="pt").input_ids[0]
+    if ids.numel() < context:
+        ids = ids.repeat(context // ids.numel() + 1)
+    return ids[:context][None]
+
+
+def _commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[3]
+        return subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def _machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    info["cpus"] = os.cpu_count()
+    try:
+        model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        info["cpu"] = model.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        pass
+    info["cuda"] = torch.cuda.is_available()
+    return info
+
+
+def _fmt_table(rows: list[dict]) -> str:
+    head = (
+        f"{'policy':>10} {'ctx':>5} {'B':>2} {'tok/s':>8} {'x full':>7} {'x dense':>8} {'MiB/tok':>8} "
+        f"{'ampl':>5} {'fetched':>8} {'spec %':>7} {'wait ms':>8} {'peak RSS':>9}"
+    )
+    out = [head, "-" * len(head)]
+    for r in rows:
+        amp = "-" if r["read_amplification"] is None else f"{r['read_amplification']:.2f}"
+        frac = "-" if r["fetched_fraction"] is None else f"{100 * r['fetched_fraction']:.1f}%"
+        out.append(
+            f"{r['policy']:>10} {r['context']:>5} {r['batch']:>2} {r['tokens_per_s']:>8.2f} "
+            f"{r.get('x_full', float('nan')):>7.2f} {r.get('x_dense', float('nan')):>8.2f} "
+            f"{r['bytes_read_per_token'] / 2**20:>8.2f} {amp:>5} {frac:>8} {r['speculation_pct']:>7.1f} "
+            f"{r['wait_ms_per_step']:>8.1f} {r['peak_rss_bytes'] / 2**20:>7.0f}Mi"
+        )
+    return "\n".join(out)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.2), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            pts = sorted((r["context"], r["tokens_per_s"]) for r in rows if r["policy"] == policy and r["batch"] == b)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"batch {b}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("decode throughput, KV in the slow tier (measured on this machine)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from infinigen.loading import load_model
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    policies = args.policies.split(",")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, tok = load_model(args.model, progress=True)
+    limit = model.config.max_position_embeddings
+    too_long = [c for c in contexts if c + args.steps + 1 > limit]
+    if too_long:
+        raise SystemExit(f"contexts {too_long} + {args.steps} steps exceed the model's {limit} positions")
+    if "infinigen" in policies:  # calibrate once, here, so no child pays for it
+        from infinigen.cache import InfiniGenCache
+        from infinigen.config import InfiniGenConfig
+
+        InfiniGenCache(model, InfiniGenConfig(partial_ratio=args.partial_ratio), tokenizer=tok)
+        from infinigen.attachment import detach
+
+        detach(model)
+    rows: list[dict] = []
+    todo = [(c, p, b) for c in contexts for b in batches for p in policies]
+    bar = tqdm(total=len(todo), desc="bench decode", unit="config")
+    kv_dtype = getattr(torch, args.kv_dtype)
+    with tempfile.TemporaryDirectory(prefix="infinigen-bench-") as tmp:
+        for c in contexts:
+            kv_file = Path(tmp) / f"prefill-{c}.safetensors"
+            bar.set_postfix_str(f"prefill {c}")
+            save_prefill(model, _prompt_ids(tok, c), kv_file, kv_dtype)
+            for b in batches:
+                for p in policies:
+                    bar.set_postfix_str(f"{p} ctx={c} B={b}")
+                    cmd = [
+                        sys.executable, "-m", "infinigen.bench.decode", "--child",
+                        "--kv-file", str(kv_file), "--policy", p, "--batch", str(b),
+                        "--steps", str(args.steps), "--tier", args.tier, "--kv-dtype", args.kv_dtype,
+                        "--alpha", str(args.alpha), "--partial-ratio", str(args.partial_ratio),
+                        "--io-threads", str(args.io_threads), "--threads", str(args.threads),
+                    ]  # fmt: skip
+                    if args.model:
+                        cmd += ["--model", args.model]
+                    if args.kv_dir:
+                        cmd += ["--kv-dir", args.kv_dir]
+                    proc = subprocess.run(cmd, capture_output=True, text=True)
+                    if proc.returncode != 0:
+                        bar.close()
+                        sys.stderr.write(proc.stderr[-4000:])
+                        raise SystemExit(f"benchmark child failed for policy={p} context={c} batch={b}")
+                    row = json.loads(proc.stdout.strip().splitlines()[-1])
+                    rows.append(row)
+                    tqdm.write(
+                        f"{p:>10} ctx={c:>5} B={b}: {row['tokens_per_s']:.2f} tok/s, "
+                        f"{row['bytes_read_per_token'] / 2**20:.2f} MiB/token"
+                    )
+                    bar.update(1)
+    bar.close()
+    for r in rows:
+        same = {q["policy"]: q for q in rows if q["context"] == r["context"] and q["batch"] == r["batch"]}
+        if "full" in same:
+            r["x_full"] = r["tokens_per_s"] / same["full"]["tokens_per_s"]
+        if "dense" in same:
+            r["x_dense"] = r["tokens_per_s"] / same["dense"]["tokens_per_s"]
+            r["rss_saving_vs_dense_bytes"] = same["dense"]["peak_rss_bytes"] - r["peak_rss_bytes"]
+    table = _fmt_table(rows)
+    note = (
+        f"tier={args.tier} (KV stored as {args.kv_dtype}; compute fp32 on CPU), {args.steps} decode steps after "
+        "prefill, tok/s over steps 2..N; bytes include read amplification; 'wait ms' = time the compute "
+        "waited on transfers per step. Measured on this machine, not modelled."
+    )
+    print(table)
+    print(note)
+    meta = {
+        "commit": _commit(),
+        "machine": _machine(),
+        "settings": {k: v for k, v in vars(args).items() if k not in {"child", "kv_file"}},
+        "note": note,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    (out_dir / "bench_decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out_dir / "bench_decode.txt").write_text(table + "\n" + note + "\n")
+    _plot(rows, out_dir / "bench_decode.png")
+    print(f"wrote {out_dir / 'bench_decode.json'}, bench_decode.txt and bench_decode.png")
+    return 0
+
+
+def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    ap = ap or argparse.ArgumentParser(prog="infinigen bench decode", description=__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--contexts", default="1024,2048,4096,8000", help="comma-separated context lengths")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--tier", default="disk", choices=["ram", "disk"])
+    ap.add_argument("--kv-dir", default=None, help="folder for the disk tier's files")
+    ap.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--alpha", type=float, default=5.0)
+    ap.add_argument("--partial-ratio", type=float, default=0.3)
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--out", default="results/bench")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kv-file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--policy", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(args)))
+        return 0
+    return run_parent(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
