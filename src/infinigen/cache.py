@@ -213,6 +213,10 @@ class InfiniGenCache(Cache):
         self.wait_seconds += waited
         return out
 
+    @property
+    def _device(self) -> torch.device:
+        return next(self.adapter.model.parameters()).device
+
     def _new_tier(self, b: int, hkv: int, d: int, dtype: torch.dtype) -> KVTier:
         cfg = self.ig_config
         return make_tier(
@@ -225,6 +229,7 @@ class InfiniGenCache(Cache):
             capacity=self.adapter.max_positions,
             directory=cfg.kv_dir,
             threads=cfg.io_threads,
+            device=self._device,
         )
 
     def _preflight(self, b: int, hkv: int, d: int, dtype: torch.dtype) -> None:

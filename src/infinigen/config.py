@@ -12,7 +12,7 @@ from typing import Any
 POLICIES = ("infinigen", "full", "dense")
 AGGREGATIONS = ("max", "sum", "union")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
-TIERS = ("ram", "disk")
+TIERS = ("ram", "disk", "pinned")
 EVICTIONS = ("counter", "lru", "fifo")
 
 

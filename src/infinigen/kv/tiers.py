@@ -127,7 +127,7 @@ class RamTier(KVTier):
         return self._k[:, :, : self.length], self._v[:, :, : self.length]
 
 
-TIERS = ("ram", "disk")
+TIERS = ("ram", "disk", "pinned")
 
 
 class SlotRamTier(RamTier):
@@ -163,6 +163,7 @@ def make_tier(
     capacity: int | None = None,
     directory=None,
     threads: int = 4,
+    device=None,
 ) -> KVTier:
     if name == "ram":
         return RamTier(batch, kv_heads, head_dim, dtype, stats)
@@ -172,4 +173,8 @@ def make_tier(
         if capacity is None:
             raise ValueError("the disk tier needs a capacity (the model's context length)")
         return DiskTier(batch, kv_heads, head_dim, dtype, stats, capacity, directory=directory, threads=threads)
+    if name == "pinned":
+        from infinigen.kv.pinned import PinnedTier
+
+        return PinnedTier(batch, kv_heads, head_dim, dtype, stats, device if device is not None else "cuda")
     raise ValueError(f"unknown KV tier {name!r}; available: {', '.join(TIERS)}")
