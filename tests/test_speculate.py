@@ -132,3 +132,15 @@ def test_recall_is_mass_on_selected_positions():
     rec = attention_recall(probs, sel)
     assert sel.counts.item() == 1 and int(sel.indices[0, 0, 0]) == 2
     torch.testing.assert_close(rec, torch.tensor([[0.2, 0.8]]))
+
+
+def test_partial_projection_equals_skew_then_gather():
+    from infinigen.speculate import partial_projection, project_partial
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 5, 8, generator=g)
+    a = torch.linalg.qr(torch.randn(3, 8, 8, generator=g)).Q
+    ch = torch.tensor([[0, 3, 7], [1, 2, 4], [5, 6, 7]])
+    torch.testing.assert_close(project_partial(x, partial_projection(a, ch, 8)), skew_partial(x, a, ch))
+    # Without a skew the projection only picks channels, bit for bit.
+    assert torch.equal(project_partial(x, partial_projection(None, ch, 8)), skew_partial(x, None, ch))

@@ -35,9 +35,10 @@ from infinigen.speculate import (
     Selection,
     aggregate_group,
     attention_recall,
+    partial_projection,
     partial_scores,
+    project_partial,
     select_positions,
-    skew_partial,
 )
 
 ATTN_NAME = "infinigen"
@@ -132,12 +133,14 @@ class InfiniGenCache(Cache):
         self.wait_seconds = 0.0
         self._skews: dict[int, torch.Tensor | None] = {}
         self._channels: dict[int, torch.Tensor] = {}
+        self._proj: dict[int, torch.Tensor] = {}
         if self.artifact is not None:
             for i in range(n):
                 # OPT: the skew is folded into the weights, so keys arrive already skewed.
                 a = None if self.attachment.folded else self.artifact.skews.get(i)
                 self._skews[i] = a
                 self._channels[i] = self.artifact.channels[i]
+                self._proj[i] = partial_projection(a, self._channels[i], self.adapter.head_dim).to(self._device)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -191,7 +194,7 @@ class InfiniGenCache(Cache):
         start = time.perf_counter()
         past = layer.length
         q = self.adapter.queries(layer_idx, x.to(torch.float32) if x.dtype != torch.float32 else x, position_embeddings)
-        q_part = skew_partial(q[:, :, -1:], self._skews[layer_idx], self._channels[layer_idx].to(q.device))[:, :, 0]
+        q_part = project_partial(q[:, :, -1:], self._proj[layer_idx])[:, :, 0]
         scores = partial_scores(q_part, layer.partial_k[:, :, :past].to(torch.float32), self.adapter.scaling(layer_idx))
         valid = self.key_valid[:, :past]
         g = aggregate_group(scores, valid, self.adapter.num_kv_heads, self.ig_config.aggregation)
@@ -301,7 +304,7 @@ class InfiniGenCache(Cache):
         else:
             layer.tier.append(key_states, value_states)
         if self.is_speculated(layer_idx):
-            kp = skew_partial(key_states, self._skews[layer_idx], self._channels[layer_idx].to(key_states.device))
+            kp = project_partial(key_states, self._proj[layer_idx])
             kp = kp.to(self._kv_dtype(key_states.dtype))
             layer.partial_k = kp if layer.partial_k is None else torch.cat([layer.partial_k, kp], dim=-2)
         layer.length += q_len

@@ -52,6 +52,26 @@ def skew_partial(x: torch.Tensor, skew: torch.Tensor | None, channels: torch.Ten
     return torch.gather(x, -1, idx)
 
 
+def partial_projection(skew: torch.Tensor | None, channels: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The columns of the skew that survive the channel choice, [Hkv, d, c]: projecting onto
+    them equals skewing then gathering the channels, in one matmul (identity columns when
+    there is no skew, which keeps the values exact)."""
+    hkv, c = channels.shape
+    a = skew if skew is not None else torch.eye(head_dim).expand(hkv, head_dim, head_dim)
+    idx = channels[:, None, :].expand(hkv, head_dim, c)
+    return torch.gather(a.to(torch.float32), 2, idx).contiguous()
+
+
+def project_partial(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """x [B, Hx, T, d] (Hx = Hkv * G) onto projection [Hkv, d, c] -> [B, Hx, T, c]."""
+    b, hx, t, d = x.shape
+    hkv, _, c = projection.shape
+    g = hx // hkv
+    xs = x.reshape(b, hkv, g * t, d)
+    out = torch.matmul(xs, projection.to(x.dtype))  # broadcast over batch: [B, Hkv, G*T, c]
+    return out.reshape(b, hx, t, c)
+
+
 def partial_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scaling: float) -> torch.Tensor:
     """Approximate attention logits from partial channels.
 
