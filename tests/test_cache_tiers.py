@@ -105,15 +105,24 @@ def test_unwritable_kv_directory_is_a_clear_error(tmp_path):
     detach(model)
 
 
-def test_kv_files_removed_when_generation_raises(tmp_path):
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_kv_files_removed_when_generation_raises(tmp_path, exc):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Interrupt(StoppingCriteria):  # raised from inside generate, mid-decode
+        def __call__(self, input_ids, scores, **kwargs):
+            assert list(tmp_path.iterdir())
+            raise exc("boom")
+
     model = tiny_model("llama")
     ids, mask = left_padded_batch()
     cfg = InfiniGenConfig(policy="full", tier="disk", kv_dir=str(tmp_path))
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(exc, match="boom"):
         with InfiniGenCache(model, cfg, progress=False) as cache:
-            _generate(model, ids, mask, cache, n=2)
-            assert list(tmp_path.iterdir())
-            raise RuntimeError("boom")
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache,
+                stopping_criteria=StoppingCriteriaList([Interrupt()]), pad_token_id=0,
+            )  # fmt: skip
     assert list(tmp_path.iterdir()) == []
     detach(model)
 

@@ -71,6 +71,19 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         help="calibration length (default: the model's context, max 8192)",
     )
     p.add_argument("--skew-file", default=None, help="use this skew artifact instead of the cached one")
+    p.add_argument(
+        "--tier", choices=["ram", "disk", "pinned"], default=d.tier, help="slow tier holding the full KV (default ram)"
+    )
+    p.add_argument(
+        "--kv-dir", default=None, help="folder for the disk tier's files (default $INFINIGEN_KV_DIR or the temp folder)"
+    )
+    p.add_argument(
+        "--host-capacity",
+        type=float,
+        default=d.host_capacity,
+        help="fraction of the context kept in the host pool (default 1.0)",
+    )
+    p.add_argument("--eviction", choices=["counter", "lru", "fifo"], default=d.eviction, help="host pool victim policy")
 
 
 def _config(args: argparse.Namespace, policy: str | None = None) -> InfiniGenConfig:
@@ -86,6 +99,10 @@ def _config(args: argparse.Namespace, policy: str | None = None) -> InfiniGenCon
         skew=not args.no_skew,
         kv_dtype=args.kv_dtype,
         calibration_tokens=args.calibration_tokens,
+        tier=args.tier if (policy or args.policy) != "dense" else "ram",
+        kv_dir=args.kv_dir,
+        host_capacity=args.host_capacity if (policy or args.policy) == "infinigen" else 1.0,
+        eviction=args.eviction,
     )
 
 

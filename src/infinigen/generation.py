@@ -78,15 +78,17 @@ def run_generation(
     cache = InfiniGenCache(model, config, tokenizer=tokenizer, progress=progress)
     clock = _StepClock()
     start = time.perf_counter()
-    out = model.generate(
-        **enc,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        do_sample=False,
-        past_key_values=cache,
-        stopping_criteria=StoppingCriteriaList([clock]),
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    with cache:  # the tier's files are removed however generation ends (Ctrl-C included)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            past_key_values=cache,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        summary = cache.summary()
     new = out[:, prompt_tokens:]
     first = clock.times[0] if clock.times else time.perf_counter()
     last = clock.times[-1] if clock.times else first
@@ -101,7 +103,7 @@ def run_generation(
         prefill_seconds=first - start,
         decode_seconds=decode_seconds,
         tokens_per_s=tps,
-        summary=cache.summary(),
+        summary=summary,
         config=config.to_dict(),
         token_ids=new.tolist(),
     )
