@@ -27,28 +27,31 @@ def _generate(model, ids, mask, cache):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_fetch_everything_matches_dynamic_cache(family, batch):
+@pytest.mark.parametrize("on_compute", [True, False])
+def test_fetch_everything_matches_dynamic_cache(family, batch, on_compute):
     model = tiny_model(family)
     ids, mask = left_padded_batch()
     if batch == 1:
         ids, mask = ids[:1], mask[:1]
     ref = _generate(model, ids, mask, DynamicCache(config=model.config))
-    cache = InfiniGenCache(model, FETCH_ALL, progress=False)
+    config = InfiniGenConfig(**{**FETCH_ALL.to_dict(), "alpha": math.inf, "dense_layers_on_compute": on_compute})
+    cache = InfiniGenCache(model, config, progress=False)
     out = _generate(model, ids, mask, cache)
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     s = cache.summary()
     assert s["decode_steps"] == 7 and s["fetched_fraction"] == pytest.approx(1.0)
-    # Exact row count: dense layers read every stored row (padding included, one bulk read);
-    # speculated layers read only the selected rows, i.e. every real row at alpha = inf.
+    # Exact row count: the dense layers either keep their KV with the compute (nothing read)
+    # or read every stored row (padding included, one bulk read); the speculated layers read
+    # only the selected rows, i.e. every real row at alpha = inf.
     hkv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
     layers, dense = model.config.num_hidden_layers, FETCH_ALL.dense_layers
     length, real = ids.shape[1], mask.sum(-1)
     want = 0
     for step in range(7):  # decode steps after the prefill
         past = length + step
-        want += dense * ids.shape[0] * past * hkv
+        want += 0 if on_compute else dense * ids.shape[0] * past * hkv
         want += (layers - dense) * int((real + step).sum()) * hkv
     assert s["rows_fetched"] == want
     detach(model)

@@ -150,6 +150,14 @@ class InfiniGenCache(Cache):
     def is_speculated(self, layer_idx: int) -> bool:
         return self.policy == "infinigen" and layer_idx >= self.ig_config.dense_layers
 
+    def on_compute(self, layer_idx: int) -> bool:
+        """Whether this layer's whole KV stays with the compute (policy dense, or the
+        non-speculated first layers when `dense_layers_on_compute`)."""
+        if self.policy == "dense":
+            return True
+        cfg = self.ig_config
+        return self.policy == "infinigen" and cfg.dense_layers_on_compute and layer_idx < cfg.dense_layers
+
     def _pooled(self, layer_idx: int) -> bool:
         """Speculated layers keep a capped host pool when host_capacity < 1 (dense layers
         read every row, so they keep everything)."""
@@ -243,7 +251,8 @@ class InfiniGenCache(Cache):
 
         itemsize = torch.empty((), dtype=self._kv_dtype(dtype)).element_size()
         per_layer = b * hkv * self.adapter.max_positions * 2 * d * itemsize
-        check_space(self.ig_config.kv_dir, per_layer * len(self.layers))
+        tiered = sum(not self.on_compute(i) for i in range(len(self.layers)))
+        check_space(self.ig_config.kv_dir, per_layer * tiered)
 
     # ------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -275,7 +284,7 @@ class InfiniGenCache(Cache):
             elif q_len == 1:
                 self.decode_steps += 1
 
-        if self.policy == "dense":
+        if self.on_compute(layer_idx):
             if past == 0:
                 layer.dense_k, layer.dense_v = key_states, value_states
             else:
