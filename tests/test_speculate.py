@@ -144,3 +144,29 @@ def test_partial_projection_equals_skew_then_gather():
     torch.testing.assert_close(project_partial(x, partial_projection(a, ch, 8)), skew_partial(x, a, ch))
     # Without a skew the projection only picks channels, bit for bit.
     assert torch.equal(project_partial(x, partial_projection(None, ch, 8)), skew_partial(x, None, ch))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("block", [1, 4, 5])
+def test_block_selection_matches_brute_force(seed, block):
+    from infinigen.speculate import select_blocks
+
+    scores, valid, hkv = random_case(seed, t=37)
+    g = aggregate_group(scores, valid, hkv, "union")
+    alpha, budget, budget_tokens, min_tokens = 1.5, 0.6, 20, 6
+    sel = select_blocks(g, valid, block, alpha, budget, budget_tokens, min_tokens)
+    t = g.shape[-1]
+    for b in range(g.shape[0]):
+        blocks = [list(range(s, min(s + block, t))) for s in range(0, t, block)]
+        for k in range(hkv):
+            blk_scores = [max((g[b, k, p].item() for p in blk if valid[b, p]), default=-math.inf) for blk in blocks]
+            blk_valid = [any(valid[b, p] for p in blk) for blk in blocks]
+            if block == 1:
+                want = brute_select(g[b, k].tolist(), valid[b].tolist(), alpha, budget, budget_tokens, min_tokens)
+            else:
+                chosen = brute_select(
+                    blk_scores, blk_valid, alpha, budget, max(1, budget_tokens // block), -(-min_tokens // block)
+                )
+                want = {p for i in chosen for p in blocks[i] if valid[b, p]}
+            got = {int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v}
+            assert got == want

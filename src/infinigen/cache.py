@@ -38,7 +38,7 @@ from infinigen.speculate import (
     partial_projection,
     partial_scores,
     project_partial,
-    select_positions,
+    select_blocks,
 )
 
 ATTN_NAME = "infinigen"
@@ -208,7 +208,9 @@ class InfiniGenCache(Cache):
         g = aggregate_group(scores, valid, self.adapter.num_kv_heads, self.ig_config.aggregation)
         cfg = self.ig_config
         available = layer.pool.resident(past).to(g.device) if layer.pool is not None else None
-        sel = select_positions(g, valid, cfg.alpha, cfg.budget, cfg.budget_tokens, cfg.min_tokens, available)
+        sel = select_blocks(
+            g, valid, cfg.block_tokens, cfg.alpha, cfg.budget, cfg.budget_tokens, cfg.min_tokens, available
+        )
         rows = sel.indices
         if layer.pool is not None:
             layer.pool.record_fetch(sel.indices.cpu(), sel.valid.cpu(), self.decode_steps)

@@ -83,6 +83,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         default=d.host_capacity,
         help="fraction of the context kept in the host pool (default 1.0)",
     )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=d.block_tokens,
+        help="select aligned blocks of this many positions (16 matches a 4 KiB disk block)",
+    )
     p.add_argument("--eviction", choices=["counter", "lru", "fifo"], default=d.eviction, help="host pool victim policy")
 
 
@@ -103,6 +109,7 @@ def _config(args: argparse.Namespace, policy: str | None = None) -> InfiniGenCon
         kv_dir=args.kv_dir,
         host_capacity=args.host_capacity if (policy or args.policy) == "infinigen" else 1.0,
         eviction=args.eviction,
+        block_tokens=args.block_tokens,
     )
 
 

@@ -165,6 +165,57 @@ def select_positions(
     return Selection(indices, slot_valid, context)
 
 
+def select_blocks(
+    group_scores: torch.Tensor,
+    valid: torch.Tensor,
+    block: int,
+    alpha: float,
+    budget: float = 1.0,
+    budget_tokens: int | None = None,
+    min_tokens: int = 1,
+    available: torch.Tensor | None = None,
+) -> Selection:
+    """The same rule applied to aligned blocks of `block` positions (a block scores its best
+    position); every real position of a chosen block is selected.
+
+    A slow tier reads whole blocks anyway (a 4 KiB disk block holds 16 positions of one head in
+    fp16 at d = 64), so choosing blocks turns read amplification into attended positions.
+    Budget and floor are converted to blocks; padding positions are never selected.
+    """
+    if block <= 1:
+        return select_positions(group_scores, valid, alpha, budget, budget_tokens, min_tokens, available)
+    b, hkv, t = group_scores.shape
+    nb = -(-t // block)
+    pad = nb * block - t
+    g = group_scores
+    ok = valid[:, None, :].expand(b, hkv, t)
+    if available is not None:
+        ok = ok & available
+    g = g.masked_fill(~ok, -math.inf)
+    if pad:
+        g = torch.nn.functional.pad(g, (0, pad), value=-math.inf)
+        ok = torch.nn.functional.pad(ok, (0, pad), value=False)
+    blk_scores = g.view(b, hkv, nb, block).amax(-1)
+    blk_ok = ok.view(b, hkv, nb, block).any(-1)
+    blk_valid = blk_ok.any(1)  # [B, nb]: blocks holding any real position
+    blk_sel = select_positions(
+        blk_scores,
+        blk_valid,
+        alpha,
+        budget,
+        None if budget_tokens is None else max(1, budget_tokens // block),
+        max(1, -(-min_tokens // block)),
+        available=blk_ok,
+    )
+    offs = torch.arange(block, device=g.device)
+    idx = (blk_sel.indices[..., None] * block + offs).flatten(-2)  # [B, Hkv, n * block]
+    keep = blk_sel.valid[..., None].expand(*blk_sel.valid.shape, block).flatten(-2)
+    keep = keep & (idx < t)
+    idx = idx.clamp(max=max(t - 1, 0))
+    keep = keep & torch.gather(ok, -1, idx)
+    return Selection(torch.where(keep, idx, torch.zeros_like(idx)), keep, valid.sum(-1))
+
+
 def attention_recall(true_probs: torch.Tensor, selection: Selection) -> torch.Tensor:
     """Attention mass captured by a selection, per (batch, query head).
 

@@ -60,6 +60,7 @@ def run_child(args: argparse.Namespace) -> dict:
         alpha=args.alpha,
         partial_ratio=args.partial_ratio,
         io_threads=args.io_threads,
+        block_tokens=args.block_tokens,
     )
     cache = InfiniGenCache(model, cfg, tokenizer=tok, progress=False)
     b = args.batch
@@ -227,6 +228,7 @@ def run_parent(args: argparse.Namespace) -> int:
                         "--steps", str(args.steps), "--tier", args.tier, "--kv-dtype", args.kv_dtype,
                         "--alpha", str(args.alpha), "--partial-ratio", str(args.partial_ratio),
                         "--io-threads", str(args.io_threads), "--threads", str(args.threads),
+                        "--block-tokens", str(args.block_tokens),
                     ]  # fmt: skip
                     if args.model:
                         cmd += ["--model", args.model]
@@ -287,6 +289,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--alpha", type=float, default=5.0)
     ap.add_argument("--partial-ratio", type=float, default=0.3)
     ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--block-tokens", type=int, default=1, help="InfiniGen selection granularity (1: per position)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="results/bench")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-skew", action="store_true")
     ap.add_argument("--calibration-tokens", type=int, default=None)
     ap.add_argument("--kv-dtype", default="float16")
+    ap.add_argument("--block-tokens", type=int, default=1, help="selection granularity (1: per position)")
+    ap.add_argument("--min-tokens", type=int, default=InfiniGenConfig().min_tokens)
     ap.add_argument("--out", default="results/core")
     args = ap.parse_args(argv)
 
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 skew=not args.no_skew,
                 calibration_tokens=args.calibration_tokens,
                 kv_dtype=args.kv_dtype,
+                block_tokens=args.block_tokens,
+                min_tokens=args.min_tokens,
                 measure_recall=True,
             )
             run = forced_logits(model, ids, args.prefix, args.steps, cfg, tokenizer=tok, desc=f"{how} a={alpha}")
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out / "core_report.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
-        f"prefix {args.prefix} tokens of {args.text}, {args.steps} teacher-forced steps, r={args.partial_ratio}",
+        f"prefix {args.prefix} tokens of {args.text}, {args.steps} teacher-forced steps, r={args.partial_ratio}, "
+        f"block_tokens={args.block_tokens}, min_tokens={args.min_tokens}",
         "",
         "| config | fetched | recall | top-1 agr. | KL | ppl | greedy identical |",
         "|---|---|---|---|---|---|---|",
