@@ -203,7 +203,7 @@ class InfiniGenCache(Cache):
         past = layer.length
         q = self.adapter.queries(layer_idx, x.to(torch.float32) if x.dtype != torch.float32 else x, position_embeddings)
         q_part = project_partial(q[:, :, -1:], self._proj[layer_idx])[:, :, 0]
-        scores = partial_scores(q_part, layer.partial_k[:, :, :past].to(torch.float32), self.adapter.scaling(layer_idx))
+        scores = partial_scores(q_part, layer.partial_k[:, :, :past], self.adapter.scaling(layer_idx))
         valid = self.key_valid[:, :past]
         g = aggregate_group(scores, valid, self.adapter.num_kv_heads, self.ig_config.aggregation)
         cfg = self.ig_config
@@ -316,7 +316,7 @@ class InfiniGenCache(Cache):
             layer.tier.append(key_states, value_states)
         if self.is_speculated(layer_idx):
             kp = project_partial(key_states, self._proj[layer_idx])
-            kp = kp.to(self._kv_dtype(key_states.dtype))
+            kp = kp.to(key_states.dtype)  # K̃ stays in the compute dtype: scored every step
             layer.partial_k = kp if layer.partial_k is None else torch.cat([layer.partial_k, kp], dim=-2)
         layer.length += q_len
 

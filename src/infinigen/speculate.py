@@ -137,12 +137,13 @@ def select_positions(
     if t == 0:
         empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
         return Selection(empty, empty.bool(), context)
-    top = group_scores.amax(-1, keepdim=True)
-    keep = group_scores >= (top - alpha)
-    keep &= valid[:, None, :]
+    eligible = valid[:, None, :].expand(b, hkv, t)
     if available is not None:
-        keep &= available
-    count = keep.sum(-1)
+        eligible = eligible & available
+    top = group_scores.amax(-1, keepdim=True)
+    keep = (group_scores >= (top - alpha)) & eligible
+    kept = keep.sum(-1)
+    count = kept
     cap = torch.ceil(ctx.to(torch.float64) * budget).to(torch.long)
     if budget_tokens is not None:
         cap = cap.clamp(max=budget_tokens)
@@ -155,13 +156,21 @@ def select_positions(
     if n == 0:
         empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
         return Selection(empty, empty.bool(), context)
-    order = torch.topk(group_scores, n, dim=-1, sorted=True).indices  # best first
-    slot_valid = torch.arange(n, device=order.device)[None, None, :] < count[..., None]
-    # Ascending positions among valid slots (a sorted request reads better from a slow tier).
-    big = torch.iinfo(torch.long).max
-    keyed = torch.where(slot_valid, order, torch.full_like(order, big))
-    keyed, _ = keyed.sort(-1)
-    indices = torch.where(slot_valid, keyed, torch.zeros_like(keyed))
+    adjust = count != kept  # the cap or the floor moved these rows off the threshold
+    if bool(adjust.any()):
+        # Rows whose count changed keep their top-`count` scores: threshold at the count-th best.
+        k = int(count[adjust].max().item())
+        best = torch.topk(group_scores.masked_fill(~eligible, -math.inf), k, dim=-1, sorted=True).values
+        kth = best.gather(-1, (count - 1).clamp(min=0, max=k - 1)[..., None])  # used where adjust only
+        keep = torch.where(adjust[..., None], (group_scores >= kth) & eligible, keep)
+    # Ascending positions, without sorting: each kept position goes to its rank among the kept.
+    rank = keep.long().cumsum(-1) - 1
+    keep &= rank < count[..., None]  # exact ties at the cut never push a row past its count
+    target = torch.where(keep, rank, torch.full_like(rank, n))
+    out = torch.zeros(b, hkv, n + 1, dtype=torch.long, device=group_scores.device)
+    out.scatter_(-1, target, torch.arange(t, device=group_scores.device).expand(b, hkv, t))
+    slot_valid = torch.arange(n, device=out.device)[None, None, :] < keep.sum(-1)[..., None]
+    indices = torch.where(slot_valid, out[..., :n], torch.zeros_like(out[..., :n]))
     return Selection(indices, slot_valid, context)
 
 

@@ -9,6 +9,7 @@ own — which streams that KV into the policy's tier exactly as a prefill would,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -38,6 +39,25 @@ def save_prefill(model, ids: torch.Tensor, path: Path, kv_dtype: torch.dtype) ->
         tensors[f"layer.{i}.k"] = layer.keys.to(kv_dtype).contiguous()
         tensors[f"layer.{i}.v"] = layer.values.to(kv_dtype).contiguous()
     save_file(tensors, str(path))
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset the peak resident set size (VmHWM)
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    """VmHWM in bytes (falls back to ru_maxrss where /proc is absent)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ---------------------------------------------------------------------- one configuration (child)
@@ -75,6 +95,10 @@ def run_child(args: argparse.Namespace) -> dict:
             del k, v
     context = cache.get_seq_length()
     cache.key_valid = torch.ones(b, context, dtype=torch.bool)
+    # Peak RSS of the decode phase itself: reset the high-water mark after the replay (which
+    # maps the saved prefill file) so that only what the policy keeps while decoding counts.
+    gc.collect()
+    _reset_peak_rss()
     cache.transfer.reset()
     cache.speculation_seconds = cache.wait_seconds = 0.0
     step_times = []
@@ -87,7 +111,7 @@ def run_child(args: argparse.Namespace) -> dict:
     s = cache.summary()
     warm = step_times[1:] if len(step_times) > 1 else step_times  # the first step warms caches
     decode = sum(warm)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss()
     cache.close()
     steps = len(step_times)
     kv_bytes = sum(2 * b * model.config.num_key_value_heads * context * cache.adapter.head_dim for _ in cache.layers)
@@ -265,7 +289,11 @@ def run_parent(args: argparse.Namespace) -> int:
     meta = {
         "commit": _commit(),
         "machine": _machine(),
-        "settings": {k: v for k, v in vars(args).items() if k not in {"child", "kv_file"}},
+        "settings": {
+            k: v
+            for k, v in vars(args).items()
+            if k not in {"child", "kv_file", "policy", "batch"} and isinstance(v, (str, int, float, bool, type(None)))
+        },
         "note": note,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
