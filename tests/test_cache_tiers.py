@@ -67,6 +67,8 @@ def test_every_decode_layer_waits_only_on_its_own_prefetch(tmp_path):
     with cache:
         _generate(model, ids, mask, cache, n=4)
         s = cache.summary()
+        # One set of I/O threads for the whole cache, not one per layer.
+        assert len({id(layer.tier._pools()[1]) for layer in cache.layers if layer.tier is not None}) == 1
     # Every layer of every decode step had its transfer issued ahead (layer 0 at its own start).
     steps, prompt = s["decode_steps"], ids.shape[1]
     want = [(prompt + t, i) for t in range(steps) for i in range(len(cache.layers))]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,6 +132,8 @@ class InfiniGenCache(Cache):
         self.batch = 0
         self.speculation_seconds = 0.0
         self.wait_seconds = 0.0
+        self._pools = None
+        self._pool_finalizer = None
         self._skews: dict[int, torch.Tensor | None] = {}
         self._channels: dict[int, torch.Tensor] = {}
         self._proj: dict[int, torch.Tensor] = {}
@@ -243,7 +246,20 @@ class InfiniGenCache(Cache):
             directory=cfg.kv_dir,
             threads=cfg.io_threads,
             device=self._device,
+            pools=self._shared_pools() if cfg.tier == "disk" else None,
         )
+
+    def _shared_pools(self):
+        """One gather thread and `io_threads` readers for all layers of this cache."""
+        if self._pools is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pools = (
+                ThreadPoolExecutor(1, thread_name_prefix="infinigen-gather"),
+                ThreadPoolExecutor(self.ig_config.io_threads, thread_name_prefix="infinigen-io"),
+            )
+            self._pool_finalizer = weakref.finalize(self, _shutdown_pools, self._pools)
+        return self._pools
 
     def _preflight(self, b: int, hkv: int, d: int, dtype: torch.dtype) -> None:
         """Before the first KV byte is written: room for every layer's file on the disk tier."""
@@ -356,6 +372,9 @@ class InfiniGenCache(Cache):
             if layer.tier is not None:
                 layer.tier.close()
                 layer.tier = None
+        if self._pool_finalizer is not None:
+            self._pool_finalizer()
+            self._pools = self._pool_finalizer = None
 
     def __enter__(self) -> InfiniGenCache:
         return self
@@ -433,6 +452,11 @@ class InfiniGenCache(Cache):
             "read_amplification": self._amplification(),
             "per_layer": per_layer,
         }
+
+
+def _shutdown_pools(pools) -> None:
+    for pool in pools:
+        pool.shutdown(wait=True)
 
 
 # ---------------------------------------------------------------------- attention function

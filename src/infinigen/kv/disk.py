@@ -159,6 +159,7 @@ class DiskTier(KVTier):
         *,
         allow_buffered: bool = False,
         coalesce_gap_blocks: int = 2,
+        pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None,
     ) -> None:
         super().__init__(batch, kv_heads, head_dim, dtype, stats)
         if capacity < 1:
@@ -167,6 +168,9 @@ class DiskTier(KVTier):
             raise ValueError(f"threads must be at least 1, got {threads}")
         if coalesce_gap_blocks < 0:
             raise ValueError(f"coalesce_gap_blocks must be >= 0, got {coalesce_gap_blocks}")
+        # (control, io) executors shared by every layer of a cache: few threads in all, rather
+        # than a pool per layer. The owner shuts them down; close() leaves them running.
+        self._shared_pools = pools
         self.capacity = int(capacity)
         self.threads = int(threads)
         self.coalesce_gap_blocks = int(coalesce_gap_blocks)
@@ -311,6 +315,8 @@ class DiskTier(KVTier):
     def _pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         """(control, io): gathers run on `control`, their reads on `io` (separate so that a
         gather waiting for its reads can never starve them)."""
+        if self._shared_pools is not None:
+            return self._shared_pools
         if not self._res.pools:
             self._res.pools = [
                 ThreadPoolExecutor(1, thread_name_prefix="infinigen-kv-gather"),

@@ -164,6 +164,7 @@ def make_tier(
     directory=None,
     threads: int = 4,
     device=None,
+    pools=None,
 ) -> KVTier:
     if name == "ram":
         return RamTier(batch, kv_heads, head_dim, dtype, stats)
@@ -172,7 +173,9 @@ def make_tier(
 
         if capacity is None:
             raise ValueError("the disk tier needs a capacity (the model's context length)")
-        return DiskTier(batch, kv_heads, head_dim, dtype, stats, capacity, directory=directory, threads=threads)
+        return DiskTier(
+            batch, kv_heads, head_dim, dtype, stats, capacity, directory=directory, threads=threads, pools=pools
+        )
     if name == "pinned":
         from infinigen.kv.pinned import PinnedTier
 
