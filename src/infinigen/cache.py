@@ -16,7 +16,7 @@ import math
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from infinigen.config import InfiniGenConfig
 from infinigen.kv import KVTier, TransferStats, make_tier
 from infinigen.kv.pool import HostPool, capacity_slots
 from infinigen.kv.tiers import SlotRamTier
-from infinigen.models import ModelAdapter, get_adapter
+from infinigen.models import ModelAdapter
 from infinigen.skew import SkewArtifact
 from infinigen.speculate import (
     Selection,
@@ -59,7 +59,6 @@ class LayerStats:
     recall_sum: float = 0.0
     recall_n: int = 0
     wait_seconds: float = 0.0
-    fractions: list[float] = field(default_factory=list)
 
 
 class InfiniGenLayer(CacheLayerMixin):
@@ -134,16 +133,13 @@ class InfiniGenCache(Cache):
         self.wait_seconds = 0.0
         self._pools = None
         self._pool_finalizer = None
-        self._skews: dict[int, torch.Tensor | None] = {}
-        self._channels: dict[int, torch.Tensor] = {}
-        self._proj: dict[int, torch.Tensor] = {}
+        self._proj: dict[int, torch.Tensor] = {}  # per layer: skew columns of the partial channels
         if self.artifact is not None:
             for i in range(n):
                 # OPT: the skew is folded into the weights, so keys arrive already skewed.
                 a = None if self.attachment.folded else self.artifact.skews.get(i)
-                self._skews[i] = a
-                self._channels[i] = self.artifact.channels[i]
-                self._proj[i] = partial_projection(a, self._channels[i], self.adapter.head_dim).to(self._device)
+                proj = partial_projection(a, self.artifact.channels[i], self.adapter.head_dim)
+                self._proj[i] = proj.to(self._device)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -355,7 +351,6 @@ class InfiniGenCache(Cache):
         frac = sel.fraction()
         layer.stats.steps += 1
         layer.stats.fraction_sum += frac
-        layer.stats.fractions.append(frac)
         return torch.cat([k_old.to(key_states.dtype), key_states], dim=-2), torch.cat(
             [v_old.to(value_states.dtype), value_states], dim=-2
         )
@@ -513,7 +508,3 @@ def register_attention() -> None:
     """Make "infinigen" a valid attn_implementation (idempotent)."""
     AttentionInterface.register(ATTN_NAME, infinigen_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    return get_adapter(model).attention_modules()
