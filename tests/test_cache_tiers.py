@@ -59,9 +59,12 @@ def test_every_decode_layer_waits_only_on_its_own_prefetch(tmp_path):
     issued = []
     orig = cache.prefetch
 
-    def spy(layer_idx, x, pe):
-        issued.append((cache.layers[layer_idx].length, layer_idx))  # past length: one value per step
-        orig(layer_idx, x, pe)
+    def spy(layer_idx, x, pe, own=False):
+        layer = cache.layers[layer_idx]
+        before = layer.prefetched
+        orig(layer_idx, x, pe, own=own)
+        if before is None and layer.prefetched is not None:  # this call issued the transfer
+            issued.append((layer.length, layer_idx, own))  # past length: one value per step
 
     cache.prefetch = spy
     with cache:
@@ -69,9 +72,11 @@ def test_every_decode_layer_waits_only_on_its_own_prefetch(tmp_path):
         s = cache.summary()
         # One set of I/O threads for the whole cache, not one per layer.
         assert len({id(layer.tier._pools()[1]) for layer in cache.layers if layer.tier is not None}) == 1
-    # Every layer of every decode step had its transfer issued ahead (layer 0 at its own start).
+    # Every tiered layer of every decode step had its transfer issued one layer ahead.
     steps, prompt = s["decode_steps"], ids.shape[1]
-    want = [(prompt + t, i) for t in range(steps) for i in range(len(cache.layers))]
+    tiered = [i for i in range(len(cache.layers)) if not cache.on_compute(i)]
+    assert tiered == [2, 3]
+    want = [(prompt + t, i, False) for t in range(steps) for i in tiered]
     assert sorted(issued) == want
     assert all(p["wait_seconds"] >= 0 for p in s["per_layer"])
     assert s["wait_seconds"] == pytest.approx(sum(p["wait_seconds"] for p in s["per_layer"]))
@@ -166,7 +171,7 @@ def test_capped_host_pool_evicts_and_never_selects_what_it_evicted(eviction):
     cfg = InfiniGenConfig(alpha=2.0, calibration_tokens=64, host_capacity=0.5, eviction=eviction, min_tokens=2)
     cache = InfiniGenCache(model, cfg, progress=False)
     seen = []
-    orig = cache.speculate
+    orig = cache.select
 
     def spy(layer_idx, x, pe):
         orig(layer_idx, x, pe)
@@ -176,7 +181,7 @@ def test_capped_host_pool_evicts_and_never_selects_what_it_evicted(eviction):
         chosen = torch.zeros_like(resident, dtype=torch.long).scatter_add_(-1, sel.indices, sel.valid.long()) > 0
         seen.append(bool((chosen & ~resident).any()))
 
-    cache.speculate = spy
+    cache.select = spy
     _generate(model, ids, mask, cache, n=8)
     s = cache.summary()
     assert s["evictions"] > 0 and seen and not any(seen)

@@ -24,8 +24,8 @@ class RecordingCache(InfiniGenCache):
         super().__init__(*args, **kwargs)
         self.record: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
 
-    def speculate(self, layer_idx, x, position_embeddings):
-        super().speculate(layer_idx, x, position_embeddings)
+    def select(self, layer_idx, x, position_embeddings):
+        super().select(layer_idx, x, position_embeddings)
         if layer_idx == self.ig_config.dense_layers:
             self.record.append({})
         pf = self.layers[layer_idx].prefetched
@@ -61,11 +61,27 @@ def _forced(model, ids, mask, cache, steps):
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
-def test_sparse_decode_equals_masked_dense_attention(family):
+BASELINE = dict(budget=0.3, calibration_tokens=64)
+
+
+@pytest.mark.parametrize(
+    "family,config",
+    [
+        ("llama", SPARSE),
+        ("opt", SPARSE),
+        ("llama", InfiniGenConfig(policy="h2o", **BASELINE)),
+        ("llama", InfiniGenConfig(policy="streaming", sinks=2, **BASELINE)),
+        ("llama", InfiniGenConfig(policy="quest", page_tokens=4, **BASELINE)),
+        ("llama", InfiniGenConfig(policy="oracle", **BASELINE)),
+        ("qwen2", InfiniGenConfig(policy="h2o", kv_dtype="float16", **BASELINE)),
+    ],
+    ids=["infinigen-llama", "infinigen-opt", "h2o", "streaming", "quest", "oracle", "h2o-fp16"],
+)
+def test_sparse_decode_equals_masked_dense_attention(family, config):
+    """Every selecting policy attends exactly (its selection ∪ the current token)."""
     model = tiny_model(family)
     ids, mask = left_padded_batch(length=40, pad=9)
-    cache = RecordingCache(model, SPARSE, progress=False)
+    cache = RecordingCache(model, config, progress=False)
     steps = 6
     got = _forced(model, ids, mask, cache, steps)
     fractions = [p["fetched_fraction"] for p in cache.summary()["per_layer"] if p["speculated"]]

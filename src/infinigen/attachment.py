@@ -160,8 +160,8 @@ def _pre_hook(module: nn.Module, args, kwargs, layer_idx: int):
         cache.observe_mask(kwargs.get("attention_mask"), x.shape[0], past + x.shape[1], x.device)
     if x.shape[1] == 1 and past > 0 and cache.policy != "dense":
         pe = kwargs.get("position_embeddings")
-        if layer_idx == 0:
-            cache.prefetch(0, x, pe)  # nothing earlier to overlap with
+        # Layer 0 (nothing earlier to overlap with) and policies that need this layer's own query.
+        cache.prefetch(layer_idx, x, pe, own=True)
         if layer_idx + 1 < len(cache.layers):
             cache.prefetch(layer_idx + 1, x, pe)
     return None

@@ -1,6 +1,8 @@
 """InfiniGenCache (a transformers Cache), the attention function and the hooks that drive it.
 
-Per decode step t, for every layer i:
+The cache drives a selection policy (`infinigen.policies`): InfiniGen by default, or one of the
+baselines, through the same steps and the same byte counters. For InfiniGen, per decode step t
+and every layer i:
   * the pre-hook of layer i-1's attention sees i-1's normalized input x and speculates layer
     i: partial query of layer i from x, partial scores against K̃ᵢ, threshold/budget selection;
     it then issues the gather of the selected rows of layer i from the slow tier (prefetch);
@@ -8,6 +10,8 @@ Per decode step t, for every layer i:
     returns the prefetched rows plus the new token;
   * the "infinigen" attention function attends over exactly that set.
 Prefill is dense: every layer's KV streams into its tier and K̃ is built as it goes.
+Policies that need the true query of layer i (quest, oracle) select in layer i's own pre-hook
+instead, so their fetch cannot overlap; h2o and streaming need no query and are issued ahead.
 """
 
 from __future__ import annotations
@@ -31,16 +35,10 @@ from infinigen.kv import KVTier, TransferStats, make_tier
 from infinigen.kv.pool import HostPool, capacity_slots
 from infinigen.kv.tiers import SlotRamTier
 from infinigen.models import ModelAdapter
+from infinigen.policies import Policy, make_policy
+from infinigen.policies.base import group_sum
 from infinigen.skew import SkewArtifact
-from infinigen.speculate import (
-    Selection,
-    aggregate_group,
-    attention_recall,
-    partial_projection,
-    partial_scores,
-    project_partial,
-    select_blocks,
-)
+from infinigen.speculate import Selection, attention_recall
 
 ATTN_NAME = "infinigen"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -73,7 +71,7 @@ class InfiniGenLayer(CacheLayerMixin):
         self.tier: KVTier | None = None
         self.dense_k: torch.Tensor | None = None  # policy "dense": the whole KV with the compute
         self.dense_v: torch.Tensor | None = None
-        self.partial_k: torch.Tensor | None = None  # [B, Hkv, T, c]
+        self.state: Any = None  # what the policy remembers about this layer (K̃ for InfiniGen)
         self.prefetched: tuple[Selection | None, Future] | None = None  # issued, not yet waited on
         self.attend_valid: torch.Tensor | None = None  # [B, Hkv, n+1] for the attention function
         self.selection: Selection | None = None
@@ -133,13 +131,10 @@ class InfiniGenCache(Cache):
         self.wait_seconds = 0.0
         self._pools = None
         self._pool_finalizer = None
-        self._proj: dict[int, torch.Tensor] = {}  # per layer: skew columns of the partial channels
-        if self.artifact is not None:
-            for i in range(n):
-                # OPT: the skew is folded into the weights, so keys arrive already skewed.
-                a = None if self.attachment.folded else self.artifact.skews.get(i)
-                proj = partial_projection(a, self.artifact.channels[i], self.adapter.head_dim)
-                self._proj[i] = proj.to(self._device)
+        self.selector: Policy = make_policy(self.ig_config, self.adapter, self.attachment)
+        for i, layer in enumerate(self.layers):
+            if self.is_speculated(i):
+                layer.state = self.selector.new_state(i)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -147,15 +142,16 @@ class InfiniGenCache(Cache):
         return self.ig_config.policy
 
     def is_speculated(self, layer_idx: int) -> bool:
-        return self.policy == "infinigen" and layer_idx >= self.ig_config.dense_layers
+        """Whether this layer fetches a selection (speculated, for InfiniGen) rather than every row."""
+        return self.selector.selects and layer_idx >= self.ig_config.dense_layers
 
     def on_compute(self, layer_idx: int) -> bool:
         """Whether this layer's whole KV stays with the compute (policy dense, or the
-        non-speculated first layers when `dense_layers_on_compute`)."""
-        if self.policy == "dense":
+        non-selecting first layers of a selecting policy when `dense_layers_on_compute`)."""
+        if self.selector.keeps_kv_on_compute:
             return True
         cfg = self.ig_config
-        return self.policy == "infinigen" and cfg.dense_layers_on_compute and layer_idx < cfg.dense_layers
+        return self.selector.selects and cfg.dense_layers_on_compute and layer_idx < cfg.dense_layers
 
     def _pooled(self, layer_idx: int) -> bool:
         """Speculated layers keep a capped host pool when host_capacity < 1 (dense layers
@@ -178,38 +174,41 @@ class InfiniGenCache(Cache):
         self.key_valid = valid
 
     # ------------------------------------------------------------------ prefetch
-    def prefetch(self, layer_idx: int, x: torch.Tensor, position_embeddings) -> None:
-        """Issue layer_idx's fetch for the coming decode step (called before layer_idx-1's
-        attention, or before layer 0's own): speculated layers fetch their selection, the
-        others every row. The transfer runs while the current layer computes."""
+    def prefetch(self, layer_idx: int, x: torch.Tensor, position_embeddings, own: bool = False) -> None:
+        """Issue layer_idx's fetch for the coming decode step. Called with layer_idx-1's
+        normalized attention input (own=False: the transfer runs while layer_idx-1 computes)
+        and again with layer_idx's own (own=True), which issues what could not go ahead: layer
+        0, and the selections of policies that need layer_idx's true query."""
         layer = self.layers[layer_idx]
         if layer.tier is None or layer.length == 0 or layer.prefetched is not None:
             return
         if self.is_speculated(layer_idx):
-            self.speculate(layer_idx, x, position_embeddings)
+            if self.selector.query_from == "own" and not own:
+                return
+            self.select(layer_idx, x, position_embeddings)
         else:
             fut = layer.tier.read_all_async(layer.length, x.device, layer.dtype)
             layer.prefetched = (None, fut)
 
     @torch.no_grad()
-    def speculate(self, layer_idx: int, x: torch.Tensor, position_embeddings) -> None:
-        """Called with layer_idx-1's normalized attention input: choose layer_idx's rows and
-        issue their fetch from the tier."""
+    def select(self, layer_idx: int, x: torch.Tensor, position_embeddings) -> None:
+        """Ask the policy which of layer_idx's rows the coming step needs (x: the normalized
+        attention input its query comes from) and issue their fetch from the tier."""
         layer = self.layers[layer_idx]
-        if layer.partial_k is None or layer.length == 0:
+        if layer.length == 0:
             return
         start = time.perf_counter()
         past = layer.length
-        q = self.adapter.queries(layer_idx, x.to(torch.float32) if x.dtype != torch.float32 else x, position_embeddings)
-        q_part = project_partial(q[:, :, -1:], self._proj[layer_idx])[:, :, 0]
-        scores = partial_scores(q_part, layer.partial_k[:, :, :past], self.adapter.scaling(layer_idx))
+        q = None
+        if self.selector.query_from is not None:
+            xf = x.to(torch.float32) if x.dtype != torch.float32 else x
+            q = self.adapter.queries(layer_idx, xf, position_embeddings)[:, :, -1]
         valid = self.key_valid[:, :past]
-        g = aggregate_group(scores, valid, self.adapter.num_kv_heads, self.ig_config.aggregation)
-        cfg = self.ig_config
-        available = layer.pool.resident(past).to(g.device) if layer.pool is not None else None
-        sel = select_blocks(
-            g, valid, cfg.block_tokens, cfg.alpha, cfg.budget, cfg.budget_tokens, cfg.min_tokens, available
-        )
+        if layer.pool is not None:
+            available = layer.pool.resident(past).to(valid.device)
+            sel = self.selector.select(layer.state, layer_idx, q, past, valid, available=available)
+        else:
+            sel = self.selector.select(layer.state, layer_idx, q, past, valid)
         rows = sel.indices
         if layer.pool is not None:
             layer.pool.record_fetch(sel.indices.cpu(), sel.valid.cpu(), self.decode_steps)
@@ -319,7 +318,10 @@ class InfiniGenCache(Cache):
                 layer.pool = HostPool(b, hkv, slots, self.ig_config.eviction)
                 layer.tier = SlotRamTier(b, hkv, d, self._kv_dtype(key_states.dtype), self.transfer, slots)
             else:
-                layer.tier = self._new_tier(b, hkv, d, key_states.dtype)
+                kv_dtype = self._kv_dtype(key_states.dtype)
+                layer.tier = self.selector.make_tier(
+                    b, hkv, d, kv_dtype, self.transfer, default=lambda: self._new_tier(b, hkv, d, key_states.dtype)
+                )
         if layer.pool is not None:
             new_valid = self.key_valid[:, past : past + q_len] if self.key_valid is not None else None
             slots, _ = layer.pool.admit(q_len, None if new_valid is None else new_valid.cpu())
@@ -327,9 +329,11 @@ class InfiniGenCache(Cache):
         else:
             layer.tier.append(key_states, value_states)
         if self.is_speculated(layer_idx):
-            kp = project_partial(key_states, self._proj[layer_idx])
-            kp = kp.to(key_states.dtype)  # K̃ stays in the compute dtype: scored every step
-            layer.partial_k = kp if layer.partial_k is None else torch.cat([layer.partial_k, kp], dim=-2)
+            if self.key_valid is not None:
+                new_valid = self.key_valid[:, past : past + q_len]
+            else:
+                new_valid = torch.ones(b, q_len, dtype=torch.bool, device=key_states.device)
+            self.selector.on_append(layer.state, layer_idx, key_states, new_valid)
         layer.length += q_len
 
         if fetched is None:
@@ -423,14 +427,15 @@ class InfiniGenCache(Cache):
                 }
             )
         tokens = max(self.decode_steps, 1) * max(self.batch, 1)
-        if self.policy == "dense":
+        if self.selector.keeps_kv_on_compute:
             fetched = None
-        elif self.policy == "full":
+        elif not self.selector.selects:
             fetched = 1.0
         else:
             fetched = sum(fr) / len(fr) if fr else None
         return {
             "policy": self.policy,
+            "policy_settings": self.selector.describe(),
             "decode_steps": self.decode_steps,
             "prefill_tokens": self.prefill_tokens,
             "batch": self.batch,
@@ -469,6 +474,16 @@ def infinigen_attention(
     cache = getattr(module, "_infinigen_cache", None)
     layer = cache.layers[module.layer_idx] if isinstance(cache, InfiniGenCache) else None
     if layer is None or layer.attend_valid is None:
+        if (
+            layer is not None
+            and query.shape[2] > 1
+            and cache.selector.prefill_scores
+            and cache.is_speculated(module.layer_idx)
+        ):
+            sc = query.shape[-1] ** -0.5 if scaling is None else scaling
+            valid = cache.key_valid[:, : key.shape[2]]
+            colsum = attention_column_sums(query, key, valid, sc)
+            cache.selector.on_prefill_attention(layer.state, module.layer_idx, colsum)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -482,6 +497,9 @@ def infinigen_attention(
     scores = scores.masked_fill(~valid, -math.inf)
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v).to(query.dtype)
+    if cache.selector.observes and layer.selection is not None:
+        p = probs[:, :, -1]
+        cache.selector.observe(layer.state, module.layer_idx, layer.selection, p[..., :-1], p[..., -1])
     if cache.ig_config.measure_recall and layer.selection is not None and layer.pool is None:
         _record_recall(cache, module.layer_idx, query, scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -502,6 +520,30 @@ def _record_recall(cache: InfiniGenCache, layer_idx: int, query: torch.Tensor, s
     rec = attention_recall(probs, layer.selection)
     layer.stats.recall_sum += rec.mean().item()
     layer.stats.recall_n += 1
+
+
+def attention_column_sums(
+    query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor, scaling: float, chunk: int = 256
+) -> torch.Tensor:
+    """Causal attention weights of a prefill, summed over its real queries and each GQA
+    group's heads: query [B, H, Q, d] (the last Q of the K positions), key [B, Hkv, K, d],
+    valid [B, K] -> [B, Hkv, K]. Chunked over queries to bound memory."""
+    b, h, q_len, _ = query.shape
+    hkv, k_len = key.shape[1], key.shape[2]
+    offset = k_len - q_len
+    k = key.to(torch.float32).repeat_interleave(h // hkv, dim=1)
+    out = torch.zeros(b, hkv, k_len, dtype=torch.float32, device=query.device)
+    cols = torch.arange(k_len, device=query.device)
+    for r0 in range(0, q_len, chunk):
+        r1 = min(q_len, r0 + chunk)
+        rows = torch.arange(offset + r0, offset + r1, device=query.device)
+        s = torch.matmul(query[:, :, r0:r1].to(torch.float32), k.transpose(-1, -2)) * scaling
+        allowed = (cols[None, :] <= rows[:, None])[None, None] & valid[:, None, None, :]
+        probs = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
+        real_rows = valid[:, offset + r0 : offset + r1][:, None, :, None]
+        probs = torch.where(real_rows & allowed.any(-1, keepdim=True), probs, torch.zeros_like(probs))
+        out += group_sum(probs.sum(2), hkv)
+    return out
 
 
 def register_attention() -> None:

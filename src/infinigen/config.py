@@ -9,7 +9,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-POLICIES = ("infinigen", "full", "dense")
+POLICIES = ("infinigen", "full", "dense", "h2o", "streaming", "int4", "quest", "oracle")
+BUDGETED = ("h2o", "streaming", "quest", "oracle")
 AGGREGATIONS = ("max", "sum", "union")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
 TIERS = ("ram", "disk", "pinned")
@@ -25,12 +26,15 @@ class InfiniGenConfig:
     """Settings of InfiniGen and of the two reference policies.
 
     policy:        ``infinigen`` (speculate and fetch the selection), ``full`` (fetch every row
-                   from the slow tier each step: the full-fetch offload baseline) or ``dense``
-                   (keep the whole KV cache with the compute: the upper bound).
+                   from the slow tier each step: the full-fetch offload baseline), ``dense``
+                   (keep the whole KV cache with the compute: the upper bound), or a baseline
+                   measured in the same harness: ``h2o``, ``streaming``, ``int4``, ``quest``,
+                   ``oracle`` (see ``infinigen.policies``).
     alpha:         threshold in logit units: keep positions with ``s >= max(s) - alpha``;
                    ``math.inf`` keeps everything.
     partial_ratio: fraction r of the head dimension kept as partial channels.
-    budget:        cap on the selected positions as a fraction of the context, in (0, 1].
+    budget:        cap on the selected positions as a fraction of the context, in (0, 1]; for
+                   h2o, streaming, quest and oracle it is the number they keep.
     budget_tokens: optional absolute cap (positions per KV head); the smaller cap wins.
     min_tokens:    floor on the selected positions per KV head (never more than the context).
     dense_layers:  layers ``< dense_layers`` are not speculated and fetch everything.
@@ -53,6 +57,10 @@ class InfiniGenConfig:
     dense_layers_on_compute: keep the KV of the ``dense_layers`` first layers with the compute
                    (2 of 30 layers: 7% of the cache for SmolLM2) instead of re-reading all of it
                    from the slow tier at every step; ``False`` streams them like the rest.
+    layer_alpha:   per-layer overrides of alpha, {layer: alpha}.
+    sinks:         streaming: attention-sink positions kept at the start.
+    recent_ratio:  h2o: share of the budget kept as the most recent positions.
+    page_tokens:   quest: positions per page.
     block_tokens:  selection granularity: 1 selects positions (the published method); B > 1
                    selects aligned blocks of B positions scored by their best position, which
                    matches what a block device reads anyway (16 for the disk tier at d = 64, fp16).
@@ -77,6 +85,10 @@ class InfiniGenConfig:
     eviction: str = "counter"
     dense_layers_on_compute: bool = True
     block_tokens: int = 1
+    layer_alpha: dict[int, float] = field(default_factory=dict)
+    sinks: int = 4
+    recent_ratio: float = 0.5
+    page_tokens: int = 16
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -106,6 +118,17 @@ class InfiniGenConfig:
 
         if not isinstance(self.block_tokens, int) or self.block_tokens < 1:
             raise ConfigError(f"block_tokens must be an integer >= 1, got {self.block_tokens!r}")
+        if not isinstance(self.layer_alpha, dict) or any(
+            not isinstance(k, int) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0
+            for k, v in self.layer_alpha.items()
+        ):
+            raise ConfigError(f"layer_alpha must map layer indices to numbers >= 0, got {self.layer_alpha!r}")
+        if not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ConfigError(f"sinks must be an integer >= 0, got {self.sinks!r}")
+        if not isinstance(self.recent_ratio, (int, float)) or not 0 <= self.recent_ratio <= 1:
+            raise ConfigError(f"recent_ratio must be in [0, 1], got {self.recent_ratio!r}")
+        if not isinstance(self.page_tokens, int) or self.page_tokens < 1:
+            raise ConfigError(f"page_tokens must be an integer >= 1, got {self.page_tokens!r}")
         if self.tier not in TIERS:
             raise ConfigError(f"tier must be one of {TIERS}, got {self.tier!r}")
         if not isinstance(self.io_threads, int) or self.io_threads < 1:
@@ -114,6 +137,8 @@ class InfiniGenConfig:
             raise ConfigError(f"host_capacity must be a fraction in (0, 1], got {self.host_capacity!r}")
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
+        if self.policy == "int4" and self.tier != "ram":
+            raise ConfigError("policy int4 keeps its packed KV in host RAM: use tier='ram'")
         if self.host_capacity < 1 and self.tier != "ram":
             raise ConfigError("host_capacity < 1 applies to the host pool: use tier='ram'")
         if self.host_capacity < 1 and self.policy != "infinigen":
@@ -123,4 +148,5 @@ class InfiniGenConfig:
         out = asdict(self)
         if math.isinf(out["alpha"]):
             out["alpha"] = "inf"
+        out["layer_alpha"] = {str(k): ("inf" if math.isinf(v) else v) for k, v in self.layer_alpha.items()}
         return out

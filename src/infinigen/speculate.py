@@ -163,15 +163,42 @@ def select_positions(
         best = torch.topk(group_scores.masked_fill(~eligible, -math.inf), k, dim=-1, sorted=True).values
         kth = best.gather(-1, (count - 1).clamp(min=0, max=k - 1)[..., None])  # used where adjust only
         keep = torch.where(adjust[..., None], (group_scores >= kth) & eligible, keep)
-    # Ascending positions, without sorting: each kept position goes to its rank among the kept.
     rank = keep.long().cumsum(-1) - 1
     keep &= rank < count[..., None]  # exact ties at the cut never push a row past its count
+    return selection_from_mask(keep, context)
+
+
+def selection_from_mask(keep: torch.Tensor, context: torch.Tensor) -> Selection:
+    """A boolean mask [B, Hkv, T] of chosen positions as a Selection (ascending indices,
+    padded to the largest row), without sorting: each kept position goes to its rank."""
+    b, hkv, t = keep.shape
+    counts = keep.sum(-1)
+    n = int(counts.max().item()) if counts.numel() else 0
+    rank = keep.long().cumsum(-1) - 1
     target = torch.where(keep, rank, torch.full_like(rank, n))
-    out = torch.zeros(b, hkv, n + 1, dtype=torch.long, device=group_scores.device)
-    out.scatter_(-1, target, torch.arange(t, device=group_scores.device).expand(b, hkv, t))
-    slot_valid = torch.arange(n, device=out.device)[None, None, :] < keep.sum(-1)[..., None]
+    out = torch.zeros(b, hkv, n + 1, dtype=torch.long, device=keep.device)
+    out.scatter_(-1, target, torch.arange(t, device=keep.device).expand(b, hkv, t))
+    slot_valid = torch.arange(n, device=out.device)[None, None, :] < counts[..., None]
     indices = torch.where(slot_valid, out[..., :n], torch.zeros_like(out[..., :n]))
     return Selection(indices, slot_valid, context)
+
+
+def budget_counts(context: torch.Tensor, budget: float, budget_tokens: int | None = None) -> torch.Tensor:
+    """Positions a budgeted policy keeps per batch row: ceil(budget * context), capped by
+    `budget_tokens`, at least 1 and never more than the context. context: [B] -> [B]."""
+    k = torch.ceil(context.to(torch.float64) * budget).to(torch.long)
+    if budget_tokens is not None:
+        k = k.clamp(max=budget_tokens)
+    return torch.minimum(k.clamp(min=1), context)
+
+
+def selection_mask(selection: Selection, length: int) -> torch.Tensor:
+    """The chosen positions of a Selection as a boolean mask [B, Hkv, length]."""
+    b, hkv, _ = selection.indices.shape
+    mask = torch.zeros(b, hkv, length + 1, dtype=torch.bool, device=selection.indices.device)
+    idx = torch.where(selection.valid, selection.indices, torch.full_like(selection.indices, length))
+    mask.scatter_(-1, idx, True)
+    return mask[..., :length]
 
 
 def select_blocks(
