@@ -22,7 +22,8 @@ class Int4Policy(Policy):
             raise ConfigError("policy int4 keeps its packed KV in host RAM: use tier='ram'")
 
     def store(self, x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-        return fake_quantize_int4(x, GROUP)
+        # The tier quantizes the value in its storage dtype and dequantizes straight to fp32.
+        return fake_quantize_int4(x.to(kv_dtype).to(torch.float32), GROUP).to(x.dtype)
 
     def row_bytes(self, head_dim: int, kv_dtype: torch.dtype) -> int:
         return int4_row_bytes(head_dim, GROUP)
