@@ -114,7 +114,7 @@ def forced_attention(module, query, key, value, attention_mask, dropout: float =
 
 def _fetched_attention(run: _Run, i: int, query, key, value, scaling: float, selective: bool):
     """Attention of S forced positions over the KV a tier would return, masked per position."""
-    policy, cfg, adapter = run.policy, run.config, run.adapter
+    policy, cfg = run.policy, run.config
     b, h, s_len, d = query.shape
     hkv, k_len = key.shape[1], key.shape[2]
     g = h // hkv
