@@ -1,4 +1,4 @@
-"""`infinigen generate | demo | skew`."""
+"""`infinigen generate | demo | skew | eval | bench`."""
 
 from __future__ import annotations
 
@@ -281,6 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: shipped prose)")
     s.add_argument("--output", default=None, help="artifact path (default: the user cache folder)")
     s.set_defaults(func=cmd_skew)
+    e = sub.add_parser("eval", help="quality of every policy at matched budgets: perplexity, retrieval, recall")
+    _add_model_args(e)
+    e.add_argument("--suite", default="ppl,passkey,needle", help="ppl, passkey, needle, sensitivity (comma list)")
+    e.add_argument(
+        "--policies", default="dense,full,int4,infinigen,h2o,streaming,quest,oracle", help="comma list of policies"
+    )
+    e.add_argument("--budgets", default="0.05,0.1,0.2", help="fractions of the context fetched (comma list)")
+    e.add_argument("--datasets", default="essays,squad", help="texts for perplexity: essays, squad")
+    e.add_argument("--contexts", default="2048,4096", help="window lengths for perplexity")
+    e.add_argument("--score-tokens", type=int, default=512, help="teacher-forced positions scored per window")
+    e.add_argument("--windows", type=int, default=1, help="windows per dataset and context")
+    e.add_argument("--lengths", default="1024,2048,4096,8192", help="retrieval prompt lengths")
+    e.add_argument("--depths", default="0.1,0.5,0.9", help="retrieval depths in [0, 1]")
+    e.add_argument("--alphas", default="1,2,3,4,5,6,7,8", help="sensitivity: alpha values")
+    e.add_argument("--ratios", default="0.1,0.2,0.3,0.5,0.7,1.0", help="sensitivity: partial ratios")
+    e.add_argument("--sensitivity-context", type=int, default=2048)
+    e.add_argument("--out", default="results/eval", help="folder for eval.json, eval.md and the PNG plots")
+    e.set_defaults(func=cmd_eval)
+
     b = sub.add_parser("bench", help="benchmarks (commands that print a table and write JSON, not tests)")
     bsub = b.add_subparsers(dest="bench", required=True)
     from infinigen.bench.decode import build_parser as decode_parser
@@ -289,6 +308,84 @@ def build_parser() -> argparse.ArgumentParser:
     decode_parser(bd)
     bd.set_defaults(func=cmd_bench_decode)
     return ap
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import time
+
+    from infinigen.bench.decode import _commit, _machine
+    from infinigen.eval.report import markdown, plots
+    from infinigen.eval.suite import ALL_POLICIES, EvalRunner, EvalSettings
+    from infinigen.eval.targets import check_targets
+    from infinigen.loading import load_model
+
+    suites = _names(args.suite)
+    unknown = set(suites) - {"ppl", "passkey", "needle", "sensitivity"}
+    if unknown:
+        raise ValueError(f"unknown suite(s) {sorted(unknown)}; use ppl, passkey, needle, sensitivity")
+    policies = _names(args.policies)
+    bad = set(policies) - set(ALL_POLICIES)
+    if bad:
+        raise ValueError(f"unknown policies {sorted(bad)}; available: {', '.join(ALL_POLICIES)}")
+    budgets = _floats(args.budgets)
+    if any(not 0 < b <= 1 for b in budgets):
+        raise ValueError("--budgets must be fractions in (0, 1]")
+    settings = EvalSettings(
+        policies=policies,
+        budgets=budgets,
+        datasets=_names(args.datasets),
+        contexts=_ints(args.contexts),
+        score_tokens=args.score_tokens,
+        windows=args.windows,
+        retrieval_lengths=_ints(args.lengths),
+        depths=_floats(args.depths),
+        alphas=_floats(args.alphas),
+        ratios=_floats(args.ratios),
+        sensitivity_context=args.sensitivity_context,
+    )
+    if any(c <= settings.score_tokens + 16 for c in settings.contexts):
+        raise ValueError("every --contexts value must exceed --score-tokens by more than 16")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok = load_model(args.model, progress=not args.quiet)
+    start = time.time()
+    partial = out / "eval.partial.json"
+
+    def save_partial(rows: list[dict]) -> None:
+        partial.write_text(json.dumps({"rows": rows}))
+
+    rows = EvalRunner(model, tok, settings, progress=not args.quiet).run(suites, on_suite=save_partial)
+    partial.unlink(missing_ok=True)
+    meta = {
+        "model": args.model or "smollm2",
+        "commit": _commit(),
+        "machine": _machine(),
+        "kv_dtype": settings.kv_dtype,
+        "command": "infinigen " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("infinigen") else " ".join(sys.argv),
+        "settings": {k: v for k, v in vars(settings).items()},
+        "suites": suites,
+        "seconds": time.time() - start,
+    }
+    targets = check_targets(rows)
+    (out / "eval.json").write_text(json.dumps({"meta": meta, "targets": targets["checks"], "rows": rows}, indent=1))
+    md = markdown(rows, {**meta, "machine": meta["machine"].get("platform")}, targets["markdown"])
+    (out / "eval.md").write_text(md)
+    written = plots(rows, out)
+    print(md)
+    print(f"wrote {out / 'eval.json'}, {out / 'eval.md'}" + "".join(f", {p}" for p in written))
+    return 0
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:

@@ -1,0 +1,194 @@
+"""Tables (markdown) and plots (PNG) from the rows `infinigen eval` measured."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def _f(x, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _label(r: dict) -> str:
+    return r["policy"] if r.get("budget") is None else f"{r['policy']}@{r['budget']:g}"
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def ppl_tables(rows: list[dict]) -> str:
+    ppl = [r for r in rows if r["suite"] == "ppl"]
+    out = []
+    groups = defaultdict(list)
+    for r in ppl:
+        groups[(r["dataset"], r["context"])].append(r)
+    for (ds, ctx), rs in groups.items():
+        by = defaultdict(list)
+        for r in rs:
+            by[(r["policy"], r["budget"])].append(r)
+        dense_ppl = _mean([r["ppl"] for r in rs if r["policy"] == "dense"])
+        out.append(
+            f"\n### {ds}, {ctx} tokens (last positions teacher-forced; windows: {len({r['window'] for r in rs})})\n"
+        )
+        out.append(
+            "| policy | budget | positions fetched | bytes vs full | ppl | Δppl vs dense | top-1 agr. | KL | recall |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for (p, b), g in by.items():
+            ppl_v = _mean([r["ppl"] for r in g])
+            delta = None if dense_ppl is None or ppl_v is None else (ppl_v / dense_ppl - 1) * 100
+            out.append(
+                f"| {p} | {_f(b, '.0%') if b is not None else '-'} | {_f(_mean([r['fetched_fraction'] for r in g]), '.1%')} "
+                f"| {_f(_mean([r['bytes_fraction'] for r in g]), '.1%')} | {_f(ppl_v, '.2f')} | {_f(delta, '+.1f')}% "
+                f"| {_f(_mean([r.get('top1_agreement') for r in g]))} | {_f(_mean([r.get('kl') for r in g]))} "
+                f"| {_f(_mean([r.get('recall') for r in g]))} |"
+            )
+    return "\n".join(out)
+
+
+def retrieval_tables(rows: list[dict]) -> str:
+    out = []
+    for task in ("passkey", "needle"):
+        rs = [r for r in rows if r["suite"] == task]
+        if not rs:
+            continue
+        lengths = sorted({r["length"] for r in rs})
+        depths = sorted({r["depth"] for r in rs})
+        out.append(f"\n### {task}: correct of {len(depths)} depths ({', '.join(f'{d:g}' for d in depths)})\n")
+        out.append("| policy | " + " | ".join(str(n) for n in lengths) + " |")
+        out.append("|---|" + "---|" * len(lengths))
+        labels = list(dict.fromkeys(_label(r) for r in rs))
+        for lab in labels:
+            cells = []
+            for n in lengths:
+                g = [r for r in rs if _label(r) == lab and r["length"] == n]
+                cells.append(f"{sum(r['correct'] for r in g)}/{len(g)}")
+            out.append(f"| {lab} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def sensitivity_table(rows: list[dict]) -> str:
+    rs = [r for r in rows if r["suite"] == "sensitivity"]
+    if not rs:
+        return ""
+    dense = next((r for r in rows if r["suite"] == "ppl" and r["policy"] == "dense"), None)
+    out = [f"\n### InfiniGen sensitivity (essays, {rs[0]['context']} tokens, no budget cap)\n"]
+    out.append("| knob | value | positions fetched | ppl | top-1 agr. | KL | recall |")
+    out.append("|---|---|---|---|---|---|---|")
+    for r in rs:
+        out.append(
+            f"| {r['knob']} | {r['value']} | {_f(r['fetched_fraction'], '.1%')} | {_f(r['ppl'], '.2f')} "
+            f"| {_f(r.get('top1_agreement'))} | {_f(r.get('kl'))} | {_f(r.get('recall'))} |"
+        )
+    del dense
+    return "\n".join(out)
+
+
+def markdown(rows: list[dict], meta: dict[str, Any], targets: str = "") -> str:
+    head = [
+        "# infinigen eval",
+        "",
+        f"model {meta.get('model')}, commit {meta.get('commit')}, {meta.get('machine')}, "
+        f"KV stored as {meta.get('kv_dtype')}; command: `{meta.get('command')}`",
+        "",
+        "Every number is measured through the project's teacher-forced evaluator (equal to the",
+        "step-by-step decode path, `tests/test_forced.py`). 'bytes vs full' is KV bytes read per",
+        "token over what fetching every layer's whole KV at the same storage dtype reads.",
+    ]
+    parts = ["\n".join(head)]
+    if targets:
+        parts.append(targets)
+    if any(r["suite"] == "ppl" for r in rows):
+        parts.append("## Perplexity, agreement with dense, recall\n" + ppl_tables(rows))
+    if any(r["suite"] in ("passkey", "needle") for r in rows):
+        parts.append("## Retrieval\n" + retrieval_tables(rows))
+    if any(r["suite"] == "sensitivity" for r in rows):
+        parts.append("## Sensitivity\n" + sensitivity_table(rows))
+    return "\n\n".join(parts) + "\n"
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    ppl = [r for r in rows if r["suite"] == "ppl"]
+    if ppl:
+        groups = sorted({(r["dataset"], r["context"]) for r in ppl})
+        fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+        for ax, (ds, ctx) in zip(axes[0], groups, strict=True):
+            rs = [r for r in ppl if r["dataset"] == ds and r["context"] == ctx]
+            dense = _mean([r["ppl"] for r in rs if r["policy"] == "dense"])
+            for p in dict.fromkeys(r["policy"] for r in rs):
+                if p == "dense":
+                    continue
+                pts = defaultdict(list)
+                for r in rs:
+                    if r["policy"] == p:
+                        pts[r["budget"]].append((r["bytes_fraction"], r["ppl"]))
+                xy = sorted((_mean([a for a, _ in v]), _mean([b for _, b in v])) for v in pts.values())
+                ax.plot([a for a, _ in xy], [b for _, b in xy], marker="o", label=p)
+            if dense is not None:
+                ax.axhline(dense, color="k", linestyle="--", linewidth=1, label="dense")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("KV bytes read per token / full fetch")
+            ax.set_ylabel("perplexity")
+            ax.set_title(f"{ds}, {ctx} tokens")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "quality_vs_fetched.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    for task in ("passkey", "needle"):
+        rs = [r for r in rows if r["suite"] == task]
+        if not rs:
+            continue
+        budgets = sorted({r["budget"] for r in rs if r["budget"] is not None}) or [None]
+        fig, axes = plt.subplots(1, len(budgets), figsize=(5 * len(budgets), 4), squeeze=False)
+        for ax, b in zip(axes[0], budgets, strict=True):
+            for lab in dict.fromkeys(_label(r) for r in rs if r["budget"] in (b, None)):
+                g = [r for r in rs if _label(r) == lab]
+                lengths = sorted({r["length"] for r in g})
+                acc = [_mean([float(r["correct"]) for r in g if r["length"] == n]) for n in lengths]
+                ax.plot(lengths, acc, marker="o", label=lab)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-0.05, 1.05)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("accuracy")
+            ax.set_title(f"{task}, budget {b:.0%}" if b is not None else task)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"{task}_vs_length.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    sens = [r for r in rows if r["suite"] == "sensitivity"]
+    if sens:
+        knobs = list(dict.fromkeys(r["knob"] for r in sens if r["knob"] != "skew"))
+        fig, axes = plt.subplots(2, len(knobs), figsize=(5 * len(knobs), 7), squeeze=False)
+        base = [r for r in sens if r["knob"] == "skew"]
+        for j, knob in enumerate(knobs):
+            rs = sorted((r for r in sens if r["knob"] == knob), key=lambda r: float(r["value"]))
+            xs = [float(r["value"]) for r in rs]
+            axes[0][j].plot(xs, [r["fetched_fraction"] for r in rs], marker="o")
+            axes[0][j].set_ylabel("positions fetched")
+            axes[1][j].plot(xs, [r["ppl"] for r in rs], marker="o", label="skew on")
+            if base and knob == "alpha":
+                axes[1][j].axhline(base[0]["ppl"], color="r", linestyle=":", label="skew off (alpha default)")
+            axes[1][j].set_ylabel("perplexity")
+            axes[1][j].set_xlabel(knob)
+            axes[1][j].legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "sensitivity.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written

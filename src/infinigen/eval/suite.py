@@ -1,0 +1,232 @@
+"""`infinigen eval`: every policy at matched budgets on real text and retrieval prompts.
+
+Suites (each row of the output is one policy at one budget on one input):
+  ppl          perplexity, top-1 agreement and KL vs dense, attention recall, on windows of real
+               text (Paul Graham essays, SQuAD paragraphs): the last `score_tokens` of each window
+               are teacher-forced through the policy after a dense prefill of the rest;
+  passkey      a 5-digit key hidden in filler at three depths, 1K-8K tokens;
+  needle       a sentence hidden in the essays, same lengths and depths;
+  sensitivity  InfiniGen alone: alpha, partial ratio, skew on/off.
+
+Retrieval is scored exactly as greedy decoding would score it, by teacher forcing: greedy
+emits the answer iff the argmax after the prompt and each answer prefix is the next answer
+token. The first answer token comes from the (dense) prefill, as in generation.
+Everything runs through `ForcedEvaluator`, which `tests/test_forced.py` proves equal to the
+step-by-step decode path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from infinigen.config import BUDGETED, InfiniGenConfig
+from infinigen.eval.forced import ForcedEvaluator, ForcedResult
+from infinigen.eval.teacher_forced import kl_divergence, top1_agreement
+
+ALL_POLICIES = ("dense", "full", "int4", "infinigen", "h2o", "streaming", "quest", "oracle")
+
+
+@dataclass
+class EvalSettings:
+    policies: tuple[str, ...] = ALL_POLICIES
+    budgets: tuple[float, ...] = (0.05, 0.1, 0.2)
+    datasets: tuple[str, ...] = ("essays", "squad")
+    contexts: tuple[int, ...] = (2048, 4096)
+    score_tokens: int = 512
+    windows: int = 1
+    retrieval_lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    alphas: tuple[float, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    ratios: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+    sensitivity_context: int = 2048
+    kv_dtype: str = "float16"
+    base: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra InfiniGenConfig fields
+
+
+def policy_configs(settings: EvalSettings) -> list[tuple[str, float | None, InfiniGenConfig]]:
+    """(policy, budget, config) for every run of a matched-budget comparison. dense, full and
+    int4 have no budget (one run each); every selecting policy keeps exactly the budget —
+    InfiniGen as the top-budget positions of its speculated scores (alpha = inf; the alpha
+    threshold, which sets its own fraction, is studied in the sensitivity suite)."""
+    out = []
+    for p in settings.policies:
+        common = dict(settings.base, policy=p, kv_dtype=None if p == "dense" else settings.kv_dtype)
+        if p in ("dense", "full", "int4"):
+            out.append((p, None, InfiniGenConfig(**common)))
+        elif p == "infinigen":
+            for b in settings.budgets:
+                out.append((p, b, InfiniGenConfig(alpha=math.inf, budget=b, **common)))
+        elif p in BUDGETED:
+            for b in settings.budgets:
+                out.append((p, b, InfiniGenConfig(budget=b, **common)))
+        else:
+            raise ValueError(f"unknown policy {p!r}")
+    return out
+
+
+def full_fetch_bytes_per_token(model_adapter, context: int, kv_dtype: str) -> float:
+    """What fetching every layer's whole KV costs per token at `context` (the bytes axis)."""
+    itemsize = torch.empty((), dtype=getattr(torch, kv_dtype)).element_size()
+    return model_adapter.num_layers * model_adapter.num_kv_heads * context * 2 * model_adapter.head_dim * itemsize
+
+
+def _row(result: ForcedResult, ref: torch.Tensor | None, targets: torch.Tensor | None, full_bytes: float) -> dict:
+    logits = result.logits[0]
+    row: dict[str, Any] = {
+        "fetched_fraction": result.fetched_fraction if result.policy not in ("full", "int4") else 1.0,
+        "bytes_per_token": result.bytes_per_token(),
+        "bytes_fraction": result.bytes_per_token() / full_bytes if full_bytes else None,
+        "recall": result.recall,
+        "per_layer_fraction": {str(k): v for k, v in result.per_layer_fraction.items()},
+        "per_layer_recall": {str(k): v for k, v in result.per_layer_recall.items()},
+    }
+    if result.policy == "dense":
+        row["bytes_fraction"] = None
+        row["fetched_fraction"] = None
+    if targets is not None:
+        n = targets.shape[0]
+        nll = torch.nn.functional.cross_entropy(logits[:n], targets, reduction="mean").item()
+        row["nll"] = nll
+        row["ppl"] = math.exp(nll)
+    if ref is not None:
+        row["top1_agreement"] = top1_agreement(logits, ref)
+        row["kl"] = kl_divergence(ref, logits)
+    return row
+
+
+class EvalRunner:
+    def __init__(self, model, tokenizer, settings: EvalSettings, progress: bool = True) -> None:
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.ev = ForcedEvaluator(model, tokenizer=tokenizer, progress=progress)
+        self.progress = progress
+
+    # ---------------------------------------------------------------- text quality
+    def ppl_window(self, ids: torch.Tensor, runs, measure_recall: bool = True) -> list[dict]:
+        """One window: dense prefill of ids[:-S-1], then S forced tokens per config."""
+        s = self.settings.score_tokens
+        t0 = ids.shape[0] - s - 1
+        chunk, targets = ids[t0 : t0 + s][None], ids[t0 + 1 : t0 + s + 1]
+        need_colsum = any(cfg.policy == "h2o" for _, _, cfg in runs)
+        prefix = self.ev.prefill(ids[:t0][None], column_sums=need_colsum)
+        full_bytes = full_fetch_bytes_per_token(self.ev.adapter, t0 + s / 2, self.settings.kv_dtype)
+        dense = self.ev.run(prefix, chunk, InfiniGenConfig(policy="dense"))
+        ref = dense.logits[0]
+        rows = []
+        for label, budget, cfg in runs:
+            start = time.perf_counter()
+            res = dense if cfg.policy == "dense" else self.ev.run(prefix, chunk, cfg, measure_recall=measure_recall)
+            row = {"policy": label, "budget": budget, **_row(res, ref, targets, full_bytes)}
+            row["seconds"] = time.perf_counter() - start
+            row["config"] = cfg.to_dict()
+            rows.append(row)
+        return rows
+
+    def ppl_suite(self, bar=None) -> list[dict]:
+        from infinigen.eval.datasets import text_windows
+
+        st = self.settings
+        runs = policy_configs(st)
+        out = []
+        for ds in st.datasets:
+            for ctx in st.contexts:
+                for w, win in enumerate(text_windows(self.tokenizer, ds, ctx, st.windows)):
+                    ids = torch.tensor(win)
+                    for row in self.ppl_window(ids, runs):
+                        out.append({"suite": "ppl", "dataset": ds, "context": ctx, "window": w, **row})
+                    if bar is not None:
+                        bar.update(1)
+        return out
+
+    # ---------------------------------------------------------------- retrieval
+    def retrieval_suite(self, task: str, bar=None) -> list[dict]:
+        from infinigen.eval.retrieval import answer_correct, retrieval_cases
+
+        st = self.settings
+        runs = policy_configs(st)
+        need_colsum = any(cfg.policy == "h2o" for _, _, cfg in runs)
+        out = []
+        for case in retrieval_cases(self.tokenizer, task, st.retrieval_lengths, st.depths):
+            prompt = torch.tensor(case.prompt_ids)[None]
+            answer = torch.tensor(case.answer_ids)
+            prefix = self.ev.prefill(prompt, column_sums=need_colsum)
+            first = int(prefix.last_logits[0].argmax())
+            full_bytes = full_fetch_bytes_per_token(self.ev.adapter, case.length, st.kv_dtype)
+            for label, budget, cfg in runs:
+                if answer.shape[0] > 1:
+                    res = self.ev.run(prefix, answer[:-1][None], cfg)
+                    forced = [first, *res.logits[0].argmax(-1).tolist()]
+                    extra = _row(res, None, None, full_bytes)
+                else:
+                    forced, extra = [first], {}
+                out.append(
+                    {
+                        "suite": task,
+                        "policy": label,
+                        "budget": budget,
+                        "length": case.length,
+                        "depth": case.depth,
+                        "correct": answer_correct(forced, case.answer_ids),
+                        "answer": case.answer,
+                        "output": self.tokenizer.decode(forced),
+                        **{k: extra.get(k) for k in ("fetched_fraction", "bytes_fraction")},
+                    }
+                )
+            if bar is not None:
+                bar.update(1)
+        return out
+
+    # ---------------------------------------------------------------- sensitivity
+    def sensitivity_suite(self, bar=None) -> list[dict]:
+        """InfiniGen alone, uncapped, on one essays window: alpha, partial ratio, skew."""
+        from infinigen.eval.datasets import text_windows
+
+        st = self.settings
+        ctx = st.sensitivity_context
+        ids = torch.tensor(text_windows(self.tokenizer, "essays", ctx, 1)[0])
+        common = dict(st.base, kv_dtype=st.kv_dtype)
+        runs = [(f"alpha={a:g}", None, InfiniGenConfig(alpha=float(a), **common)) for a in st.alphas]
+        runs += [(f"ratio={r:g}", None, InfiniGenConfig(partial_ratio=float(r), **common)) for r in st.ratios]
+        runs += [("skew=off", None, InfiniGenConfig(skew=False, **common))]
+        rows = []
+        for label, _, cfg in runs:
+            row = self.ppl_window(ids, [("infinigen", None, cfg)])[0]
+            kind, value = label.split("=")
+            rows.append(
+                {"suite": "sensitivity", "dataset": "essays", "context": ctx, "knob": kind, "value": value, **row}
+            )
+            if bar is not None:
+                bar.update(1)
+        return rows
+
+    def run(self, suites: tuple[str, ...], on_suite=None) -> list[dict]:
+        """All requested suites; `on_suite(rows_so_far)` after each (to save partial results)."""
+        st = self.settings
+        work = 0
+        if "ppl" in suites:
+            work += len(st.datasets) * len(st.contexts) * st.windows
+        for task in ("passkey", "needle"):
+            if task in suites:
+                work += len(st.retrieval_lengths) * len(st.depths)
+        if "sensitivity" in suites:
+            work += len(st.alphas) + len(st.ratios) + 1
+        rows: list[dict] = []
+        with tqdm(total=work, desc="eval", disable=not self.progress) as bar:
+            if "ppl" in suites:
+                rows += self.ppl_suite(bar)
+                if on_suite:
+                    on_suite(rows)
+            for task in ("passkey", "needle"):
+                if task in suites:
+                    rows += self.retrieval_suite(task, bar)
+                    if on_suite:
+                        on_suite(rows)
+            if "sensitivity" in suites:
+                rows += self.sensitivity_suite(bar)
+        return rows
