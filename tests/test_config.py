@@ -21,6 +21,13 @@ from infinigen import ConfigError, InfiniGenConfig
         {"policy": "h2o-typo"},
         {"kv_dtype": "int8"},
         {"calibration_tokens": 4},
+        {"sinks": -1},
+        {"recent_ratio": 1.5},
+        {"page_tokens": 0},
+        {"layer_alpha": {3: -1.0}},
+        {"layer_alpha": {"3": 1.0}},
+        {"policy": "int4", "tier": "disk"},
+        {"policy": "h2o", "host_capacity": 0.5},
     ],
 )
 def test_bad_values_are_refused(kwargs):

@@ -42,7 +42,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         help=f"fraction of head dim kept (default {d.partial_ratio})",
     )
     p.add_argument(
-        "--budget", type=float, default=d.budget, help="cap on the fetched fraction of the context, in (0, 1]"
+        "--budget",
+        type=float,
+        default=d.budget,
+        help="infinigen: cap on the fetched fraction of the context, in (0, 1]; h2o, streaming, quest, oracle: "
+        "the fraction they keep",
     )
     p.add_argument("--budget-tokens", type=int, default=None, help="cap on fetched positions per KV head")
     p.add_argument(
@@ -90,6 +94,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         help="select aligned blocks of this many positions (16 matches a 4 KiB disk block)",
     )
     p.add_argument("--eviction", choices=["counter", "lru", "fifo"], default=d.eviction, help="host pool victim policy")
+    p.add_argument("--sinks", type=int, default=d.sinks, help=f"streaming: sink positions kept (default {d.sinks})")
+    p.add_argument(
+        "--recent-ratio",
+        type=float,
+        default=d.recent_ratio,
+        help=f"h2o: share of the budget kept as recent positions (default {d.recent_ratio})",
+    )
+    p.add_argument("--page-tokens", type=int, default=d.page_tokens, help=f"quest: page size (default {d.page_tokens})")
 
 
 def _config(args: argparse.Namespace, policy: str | None = None) -> InfiniGenConfig:
@@ -110,6 +122,9 @@ def _config(args: argparse.Namespace, policy: str | None = None) -> InfiniGenCon
         host_capacity=args.host_capacity if (policy or args.policy) == "infinigen" else 1.0,
         eviction=args.eviction,
         block_tokens=args.block_tokens,
+        sinks=args.sinks,
+        recent_ratio=args.recent_ratio,
+        page_tokens=args.page_tokens,
     )
 
 

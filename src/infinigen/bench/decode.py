@@ -72,9 +72,12 @@ def run_child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads) if args.threads else None
     model, tok = load_model(args.model, progress=False)
     rss_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from infinigen.config import BUDGETED
+
     cfg = InfiniGenConfig(
         policy=args.policy,
-        tier=args.tier,
+        tier="ram" if args.policy == "int4" else args.tier,  # int4 keeps its packed KV in RAM
+        budget=args.budget if args.policy in BUDGETED else 1.0,
         kv_dir=args.kv_dir,
         kv_dtype=args.kv_dtype,
         alpha=args.alpha,
@@ -132,7 +135,7 @@ def run_child(args: argparse.Namespace) -> dict:
         "peak_rss_bytes": peak,
         "rss_after_model_bytes": rss_model,
         "kv_cache_bytes": kv_bytes,
-        "tier": args.tier if args.policy != "dense" else "compute",
+        "tier": cfg.tier if args.policy != "dense" else "compute",
     }
 
 
@@ -219,6 +222,11 @@ def run_parent(args: argparse.Namespace) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     policies = args.policies.split(",")
+    from infinigen.config import POLICIES
+
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; available: {', '.join(POLICIES)}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(args.model, progress=True)
@@ -252,7 +260,7 @@ def run_parent(args: argparse.Namespace) -> int:
                         "--steps", str(args.steps), "--tier", args.tier, "--kv-dtype", args.kv_dtype,
                         "--alpha", str(args.alpha), "--partial-ratio", str(args.partial_ratio),
                         "--io-threads", str(args.io_threads), "--threads", str(args.threads),
-                        "--block-tokens", str(args.block_tokens),
+                        "--block-tokens", str(args.block_tokens), "--budget", str(args.budget),
                     ]  # fmt: skip
                     if args.model:
                         cmd += ["--model", args.model]
@@ -309,7 +317,14 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--model", default=None)
     ap.add_argument("--contexts", default="1024,2048,4096,8000", help="comma-separated context lengths")
     ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    ap.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma list: dense, full, infinigen, h2o, streaming, int4 (RAM tier), quest, oracle",
+    )
+    ap.add_argument(
+        "--budget", type=float, default=0.1, help="fraction kept by h2o, streaming, quest and oracle (default 0.1)"
+    )
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--tier", default="disk", choices=["ram", "disk"])
     ap.add_argument("--kv-dir", default=None, help="folder for the disk tier's files")
