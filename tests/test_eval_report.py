@@ -90,3 +90,19 @@ def test_markdown_and_plots(tmp_path):
 def test_eval_refuses_bad_arguments_before_loading_a_model(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_layer_table_ranks_layers_by_gap_to_the_oracle():
+    from infinigen.eval.report import layer_table
+
+    rows = _rows()
+    for r in rows:
+        if r.get("budget") == 0.1 and r["policy"] in ("infinigen", "oracle"):
+            ig = r["policy"] == "infinigen"
+            r["per_layer_recall"] = {"2": 0.6 if ig else 0.9, "3": 0.88 if ig else 0.9}
+            r["per_layer_fraction"] = {"2": 0.1, "3": 0.1}
+            r["per_head_recall"] = {"2": [0.5, 0.7], "3": [0.9, 0.86]}
+    table = layer_table(rows)
+    lines = [ln for ln in table.splitlines() if ln.startswith("| 2 ") or ln.startswith("| 3 ")]
+    assert lines[0].startswith("| 2 | 0.600 | 0.900 | -0.300 | h0 0.50, h1 0.70")
+    assert lines[1].startswith("| 3 ")

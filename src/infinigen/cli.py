@@ -298,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_skew)
     e = sub.add_parser("eval", help="quality of every policy at matched budgets: perplexity, retrieval, recall")
     _add_model_args(e)
-    e.add_argument("--suite", default="ppl,passkey,needle", help="ppl, passkey, needle, sensitivity (comma list)")
+    e.add_argument(
+        "--suite", default="ppl,passkey,needle", help="ppl, passkey, needle, sensitivity, variants (comma list)"
+    )
     e.add_argument(
         "--policies", default="dense,full,int4,infinigen,h2o,streaming,quest,oracle", help="comma list of policies"
     )
@@ -347,9 +349,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from infinigen.loading import load_model
 
     suites = _names(args.suite)
-    unknown = set(suites) - {"ppl", "passkey", "needle", "sensitivity"}
+    unknown = set(suites) - {"ppl", "passkey", "needle", "sensitivity", "variants"}
     if unknown:
-        raise ValueError(f"unknown suite(s) {sorted(unknown)}; use ppl, passkey, needle, sensitivity")
+        raise ValueError(f"unknown suite(s) {sorted(unknown)}; use ppl, passkey, needle, sensitivity, variants")
     policies = _names(args.policies)
     bad = set(policies) - set(ALL_POLICIES)
     if bad:

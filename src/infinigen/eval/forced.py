@@ -50,6 +50,7 @@ class ForcedResult:
     logits: torch.Tensor  # [B, S, V]: after each forced token
     per_layer_fraction: dict[int, float]
     per_layer_recall: dict[int, float]
+    per_head_recall: dict[int, list[float]]  # per layer, per query head
     bytes_fetched: int
     rows_fetched: int
     steps: int
@@ -84,6 +85,7 @@ class _Run:
         self.prefix_states: dict[int, Any] = {}
         self.fraction: dict[int, float] = {}
         self.recall: dict[int, float] = {}
+        self.recall_heads: dict[int, list[float]] = {}
         self.bytes = 0
         self.rows = 0
         self.measure_recall = False
@@ -160,7 +162,7 @@ def _replay_selection(run: _Run, i: int, scores: torch.Tensor, key: torch.Tensor
         xf = x.to(torch.float32)
         queries = adapter.queries(i, xf, pe)  # [B, H, S, d]
     mask = torch.zeros(b, hkv, s_len, k_len, dtype=torch.bool, device=key.device)
-    frac_sum, rec_sum = 0.0, 0.0
+    frac_sum, rec_sum = 0.0, torch.zeros(h, dtype=torch.float64)
     for s in range(s_len):
         past = t0 + s
         q = queries[:, :, s] if policy.query_from is not None else None
@@ -180,10 +182,12 @@ def _replay_selection(run: _Run, i: int, scores: torch.Tensor, key: torch.Tensor
         run.bytes += n * policy.row_bytes(key.shape[-1], _kv_dtype(run, key))
         if run.measure_recall:
             true = torch.softmax(scores[:, :, s, :past], -1)
-            rec_sum += attention_recall(true, sel).mean().item()
+            rec_sum += attention_recall(true, sel).mean(0).to(torch.float64)
     run.fraction[i] = frac_sum / s_len
     if run.measure_recall:
-        run.recall[i] = rec_sum / s_len
+        heads = rec_sum / s_len
+        run.recall[i] = heads.mean().item()
+        run.recall_heads[i] = heads.tolist()
     return mask
 
 
@@ -282,6 +286,7 @@ class ForcedEvaluator:
             logits=out.logits.float(),
             per_layer_fraction=run.fraction,
             per_layer_recall=run.recall,
+            per_head_recall=run.recall_heads,
             bytes_fetched=run.bytes,
             rows_fetched=run.rows,
             steps=chunk.shape[1],

@@ -88,6 +88,62 @@ def sensitivity_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def variants_table(rows: list[dict]) -> str:
+    rs = [r for r in rows if r["suite"] == "variants"]
+    if not rs:
+        return ""
+    out = []
+    for ds in dict.fromkeys(r["dataset"] for r in rs):
+        g = [r for r in rs if r["dataset"] == ds]
+        dense = next((r["ppl"] for r in g if r["policy"] == "dense"), None)
+        out.append(f"\n### {ds}, {g[0]['context']} tokens, budget {next(r['budget'] for r in g if r['budget']):.0%}\n")
+        out.append("| variant | positions fetched | ppl | Δppl vs dense | top-1 agr. | KL | recall |")
+        out.append("|---|---|---|---|---|---|---|")
+        for r in g:
+            delta = None if dense is None else (r["ppl"] / dense - 1) * 100
+            out.append(
+                f"| {r['policy']} | {_f(r['fetched_fraction'], '.1%')} | {_f(r['ppl'], '.2f')} | {_f(delta, '+.1f')}% "
+                f"| {_f(r.get('top1_agreement'))} | {_f(r.get('kl'))} | {_f(r.get('recall'))} |"
+            )
+    return "\n".join(out)
+
+
+def layer_table(rows: list[dict], budget: float = 0.1, worst: int = 8) -> str:
+    """Where InfiniGen loses attention mass: per-layer recall next to the oracle's at the same
+    budget (mean over the ppl windows), the layers with the largest gap, and their worst heads."""
+    ppl = [r for r in rows if r["suite"] == "ppl" and r.get("budget") == budget]
+    ig = [r for r in ppl if r["policy"] == "infinigen" and r.get("per_layer_recall")]
+    orc = [r for r in ppl if r["policy"] == "oracle" and r.get("per_layer_recall")]
+    if not ig or not orc:
+        return ""
+    layers = sorted(ig[0]["per_layer_recall"], key=int)
+    rec = {k: _mean([r["per_layer_recall"].get(k) for r in ig]) for k in layers}
+    best = {k: _mean([r["per_layer_recall"].get(k) for r in orc]) for k in layers}
+    frac = {k: _mean([r["per_layer_fraction"].get(k) for r in ig]) for k in layers}
+    gap = sorted(layers, key=lambda k: rec[k] - best[k])[:worst]
+    out = [
+        f"\n### Where InfiniGen loses recall (budget {budget:.0%}, mean over the ppl windows)\n",
+        "| layer | infinigen recall | oracle recall | gap | worst heads (recall) |",
+        "|---|---|---|---|---|",
+    ]
+    for k in gap:
+        heads = [
+            _mean(v)
+            for v in zip(*[r["per_head_recall"][k] for r in ig if k in r.get("per_head_recall", {})], strict=True)
+        ]
+        worst_heads = sorted(range(len(heads)), key=lambda h: heads[h])[:3]
+        out.append(
+            f"| {k} | {rec[k]:.3f} | {best[k]:.3f} | {rec[k] - best[k]:+.3f} | "
+            + ", ".join(f"h{h} {heads[h]:.2f}" for h in worst_heads)
+            + " |"
+        )
+    out.append(
+        f"\nAll layers ({'/'.join(['recall', 'oracle', 'fetched'])}): "
+        + "; ".join(f"{k}: {rec[k]:.2f}/{best[k]:.2f}/{frac[k]:.0%}" for k in layers)
+    )
+    return "\n".join(out)
+
+
 def markdown(rows: list[dict], meta: dict[str, Any], targets: str = "") -> str:
     head = [
         "# infinigen eval",
@@ -106,8 +162,13 @@ def markdown(rows: list[dict], meta: dict[str, Any], targets: str = "") -> str:
         parts.append("## Perplexity, agreement with dense, recall\n" + ppl_tables(rows))
     if any(r["suite"] in ("passkey", "needle") for r in rows):
         parts.append("## Retrieval\n" + retrieval_tables(rows))
+    lt = layer_table(rows)
+    if lt:
+        parts.append("## Per layer and head\n" + lt)
     if any(r["suite"] == "sensitivity" for r in rows):
         parts.append("## Sensitivity\n" + sensitivity_table(rows))
+    if any(r["suite"] == "variants" for r in rows):
+        parts.append("## InfiniGen variants at a matched budget\n" + variants_table(rows))
     return "\n\n".join(parts) + "\n"
 
 

@@ -6,7 +6,8 @@ Suites (each row of the output is one policy at one budget on one input):
                are teacher-forced through the policy after a dense prefill of the rest;
   passkey      a 5-digit key hidden in filler at three depths, 1K-8K tokens;
   needle       a sentence hidden in the essays, same lengths and depths;
-  sensitivity  InfiniGen alone: alpha, partial ratio, skew on/off.
+  sensitivity  InfiniGen alone, threshold mode: alpha, partial ratio, skew on/off;
+  variants     InfiniGen at one matched budget: aggregation, partial ratio, dense layers, skew.
 
 Retrieval is scored exactly as greedy decoding would score it, by teacher forcing: greedy
 emits the answer iff the argmax after the prompt and each answer prefix is the next answer
@@ -46,6 +47,7 @@ class EvalSettings:
     alphas: tuple[float, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     ratios: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
     sensitivity_context: int = 2048
+    variant_budget: float = 0.1
     kv_dtype: str = "float16"
     base: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra InfiniGenConfig fields
 
@@ -86,6 +88,7 @@ def _row(result: ForcedResult, ref: torch.Tensor | None, targets: torch.Tensor |
         "recall": result.recall,
         "per_layer_fraction": {str(k): v for k, v in result.per_layer_fraction.items()},
         "per_layer_recall": {str(k): v for k, v in result.per_layer_recall.items()},
+        "per_head_recall": {str(k): v for k, v in result.per_head_recall.items()},
     }
     if result.policy == "dense":
         row["bytes_fraction"] = None
@@ -205,6 +208,33 @@ class EvalRunner:
                 bar.update(1)
         return rows
 
+    def variants_suite(self, bar=None) -> list[dict]:
+        """InfiniGen variants at one matched budget — the fixes the per-layer data suggests:
+        GQA aggregation, a larger partial ratio, one more dense layer, no skew."""
+        from infinigen.eval.datasets import text_windows
+
+        st = self.settings
+        b = st.variant_budget
+        common = dict(st.base, kv_dtype=st.kv_dtype, alpha=math.inf, budget=b)
+        variants = [
+            ("default (union, r=0.3, skew)", {}),
+            ("aggregation=max", {"aggregation": "max"}),
+            ("partial_ratio=0.5", {"partial_ratio": 0.5}),
+            ("dense_layers=3", {"dense_layers": 3}),
+            ("skew=off", {"skew": False}),
+        ]
+        rows = []
+        for ds in st.datasets:
+            ids = torch.tensor(text_windows(self.tokenizer, ds, st.sensitivity_context, 1)[0])
+            runs = [("dense", None, InfiniGenConfig(policy="dense"))]
+            runs += [("oracle", b, InfiniGenConfig(policy="oracle", budget=b, kv_dtype=st.kv_dtype))]
+            runs += [(name, b, InfiniGenConfig(**{**common, **kw})) for name, kw in variants]
+            for row in self.ppl_window(ids, runs):
+                rows.append({"suite": "variants", "dataset": ds, "context": st.sensitivity_context, **row})
+            if bar is not None:
+                bar.update(1)
+        return rows
+
     def run(self, suites: tuple[str, ...], on_suite=None) -> list[dict]:
         """All requested suites; `on_suite(rows_so_far)` after each (to save partial results)."""
         st = self.settings
@@ -216,6 +246,8 @@ class EvalRunner:
                 work += len(st.retrieval_lengths) * len(st.depths)
         if "sensitivity" in suites:
             work += len(st.alphas) + len(st.ratios) + 1
+        if "variants" in suites:
+            work += len(st.datasets)
         rows: list[dict] = []
         with tqdm(total=work, desc="eval", disable=not self.progress) as bar:
             if "ppl" in suites:
@@ -229,4 +261,8 @@ class EvalRunner:
                         on_suite(rows)
             if "sensitivity" in suites:
                 rows += self.sensitivity_suite(bar)
+                if on_suite:
+                    on_suite(rows)
+            if "variants" in suites:
+                rows += self.variants_suite(bar)
         return rows
