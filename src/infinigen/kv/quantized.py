@@ -121,10 +121,7 @@ class Int4RamTier(KVTier):
         self._vq, self._vs, self._vz = new_v
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if keys.shape[:2] != (self.batch, self.kv_heads) or keys.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"tier holds [{self.batch}, {self.kv_heads}, T, {self.head_dim}], got keys {tuple(keys.shape)}"
-            )
+        self._check_append(keys)
         n = keys.shape[2]
         self._grow(self.length + n)
         end = self.length + n
@@ -137,8 +134,7 @@ class Int4RamTier(KVTier):
     def gather(self, indices, valid, device, dtype):
         start = time.perf_counter()
         b, h, n = indices.shape
-        if n and int(indices.max()) >= self.length:
-            raise IndexError(f"selected position {int(indices.max())} but the tier holds {self.length}")
+        self._check_indices(indices)
         flat = valid.nonzero(as_tuple=True)  # (b, h, slot) of the rows that move
         pos = indices[flat]
         i, j = flat[0], flat[1]

@@ -28,6 +28,16 @@ class KVTier(ABC):
         """Bytes of one position's K and V for one KV head."""
         return 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
+    def _check_append(self, keys: torch.Tensor) -> None:
+        if keys.shape[:2] != (self.batch, self.kv_heads) or keys.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"tier holds [{self.batch}, {self.kv_heads}, T, {self.head_dim}], got keys {tuple(keys.shape)}"
+            )
+
+    def _check_indices(self, indices: torch.Tensor) -> None:
+        if indices.shape[-1] and int(indices.max()) >= self.length:
+            raise IndexError(f"selected position {int(indices.max())} but the tier holds {self.length}")
+
     @abstractmethod
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store new positions (keys/values [B, Hkv, T_new, d])."""
@@ -88,10 +98,7 @@ class RamTier(KVTier):
         self._k, self._v = k, v
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if keys.shape[:2] != (self.batch, self.kv_heads) or keys.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"tier holds [{self.batch}, {self.kv_heads}, T, {self.head_dim}], got keys {tuple(keys.shape)}"
-            )
+        self._check_append(keys)
         n = keys.shape[2]
         self._grow(self.length + n)
         self._k[:, :, self.length : self.length + n] = keys.detach().to("cpu", self.dtype)
@@ -101,8 +108,7 @@ class RamTier(KVTier):
     def gather(self, indices, valid, device, dtype):
         start = time.perf_counter()
         b, h, n = indices.shape
-        if n and int(indices.max()) >= self.length:
-            raise IndexError(f"selected position {int(indices.max())} but the tier holds {self.length}")
+        self._check_indices(indices)
         flat = valid.nonzero(as_tuple=True)  # (b, h, slot) of the rows that move
         pos = indices[flat]
         k_rows = self._k[flat[0], flat[1], pos]
