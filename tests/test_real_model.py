@@ -116,3 +116,48 @@ def test_cli_prompt_too_long(smol, capsys):
     prompt = "word " * 9000
     assert main(["generate", "--prompt", prompt, "--max-new-tokens", "4", "--quiet"]) == 2
     assert "exceeds the model's context" in capsys.readouterr().err
+
+
+def test_baselines_generate_at_their_budget(smol):
+    """Every baseline runs through generate on a real prompt and moves what its budget says."""
+    from infinigen.cli import demo_prompt
+    from infinigen.generation import run_generation
+
+    model, tok = smol
+    prompt = tok.decode(tok(demo_prompt()).input_ids[:1500])
+    cfg = dict(kv_dtype="float16")
+    full = run_generation(model, tok, [prompt], InfiniGenConfig(policy="full", **cfg), 4, progress=False).summary
+    per_token_full = full["bytes_fetched_per_token"]
+    for policy in ("h2o", "streaming", "quest", "oracle"):
+        s = run_generation(
+            model, tok, [prompt], InfiniGenConfig(policy=policy, budget=0.1, **cfg), 4, progress=False
+        ).summary
+        page_slack = 16 / 1500 if policy == "quest" else 0.002
+        assert 0.1 - 0.002 <= s["fetched_fraction"] <= 0.1 + page_slack, policy
+        # 28 of 30 layers select; the first two stay with the compute
+        share = s["bytes_fetched_per_token"] / per_token_full
+        assert share == pytest.approx(s["fetched_fraction"] * 28 / 30, rel=0.02), policy
+    s = run_generation(model, tok, [prompt], InfiniGenConfig(policy="int4", **cfg), 4, progress=False).summary
+    assert s["bytes_fetched_per_token"] == pytest.approx(per_token_full * 72 / 256, rel=1e-6)
+
+
+def test_cli_eval_end_to_end(smol, tmp_path, capsys):
+    """A small `infinigen eval` on the real model and real data: tables, JSON and plots."""
+    from infinigen.cli import main
+
+    out = tmp_path / "eval"
+    rc = main(
+        [
+            "eval", "--suite", "ppl,passkey", "--policies", "dense,int4,streaming,oracle", "--budgets", "0.1",
+            "--datasets", "essays", "--contexts", "600", "--score-tokens", "32", "--lengths", "256",
+            "--depths", "0.5", "--out", str(out), "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads((out / "eval.json").read_text())
+    rows = {(r["suite"], r["policy"]): r for r in data["rows"]}
+    assert rows[("ppl", "oracle")]["fetched_fraction"] == pytest.approx(0.1, abs=0.01)
+    assert rows[("ppl", "dense")]["ppl"] > 1 and rows[("ppl", "int4")]["bytes_fraction"] == pytest.approx(72 / 256)
+    assert {("passkey", p) for p in ("dense", "int4", "streaming", "oracle")} <= set(rows)
+    assert (out / "eval.md").read_text().startswith("# infinigen eval")
+    assert (out / "quality_vs_fetched.png").is_file() and (out / "passkey_vs_length.png").is_file()

@@ -74,7 +74,7 @@ def policy_configs(settings: EvalSettings) -> list[tuple[str, float | None, Infi
 
 
 def full_fetch_bytes_per_token(model_adapter, context: int, kv_dtype: str) -> float:
-    """What fetching every layer's whole KV costs per token at `context` (the bytes axis)."""
+    """What fetching every layer's whole KV costs per token at a mean `context` (the bytes axis)."""
     itemsize = torch.empty((), dtype=getattr(torch, kv_dtype)).element_size()
     return model_adapter.num_layers * model_adapter.num_kv_heads * context * 2 * model_adapter.head_dim * itemsize
 
@@ -118,7 +118,7 @@ class EvalRunner:
         chunk, targets = ids[t0 : t0 + s][None], ids[t0 + 1 : t0 + s + 1]
         need_colsum = any(cfg.policy == "h2o" for _, _, cfg in runs)
         prefix = self.ev.prefill(ids[:t0][None], column_sums=need_colsum)
-        full_bytes = full_fetch_bytes_per_token(self.ev.adapter, t0 + s / 2, self.settings.kv_dtype)
+        full_bytes = full_fetch_bytes_per_token(self.ev.adapter, t0 + (s - 1) / 2, self.settings.kv_dtype)
         dense = self.ev.run(prefix, chunk, InfiniGenConfig(policy="dense"))
         ref = dense.logits[0]
         rows = []
@@ -160,7 +160,10 @@ class EvalRunner:
             answer = torch.tensor(case.answer_ids)
             prefix = self.ev.prefill(prompt, column_sums=need_colsum)
             first = int(prefix.last_logits[0].argmax())
-            full_bytes = full_fetch_bytes_per_token(self.ev.adapter, case.length, st.kv_dtype)
+            # the forced answer tokens see contexts length .. length + n - 2: their mean
+            full_bytes = full_fetch_bytes_per_token(
+                self.ev.adapter, case.length + (answer.shape[0] - 2) / 2, st.kv_dtype
+            )
             for label, budget, cfg in runs:
                 if answer.shape[0] > 1:
                     res = self.ev.run(prefix, answer[:-1][None], cfg)
