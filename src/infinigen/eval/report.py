@@ -6,6 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+DEFAULT_VARIANT = "default (union, r=0.3, skew)"
+
 
 def _f(x, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
@@ -108,11 +110,13 @@ def variants_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def layer_table(rows: list[dict], budget: float = 0.1, worst: int = 8) -> str:
+def layer_table(
+    rows: list[dict], budget: float = 0.1, worst: int = 8, suite: str = "ppl", label: str = "infinigen"
+) -> str:
     """Where InfiniGen loses attention mass: per-layer recall next to the oracle's at the same
-    budget (mean over the ppl windows), the layers with the largest gap, and their worst heads."""
-    ppl = [r for r in rows if r["suite"] == "ppl" and r.get("budget") == budget]
-    ig = [r for r in ppl if r["policy"] == "infinigen" and r.get("per_layer_recall")]
+    budget (mean over the suite's windows), the layers with the largest gap, and their worst heads."""
+    ppl = [r for r in rows if r["suite"] == suite and r.get("budget") == budget]
+    ig = [r for r in ppl if r["policy"] == label and r.get("per_layer_recall")]
     orc = [r for r in ppl if r["policy"] == "oracle" and r.get("per_layer_recall")]
     if not ig or not orc:
         return ""
@@ -122,15 +126,13 @@ def layer_table(rows: list[dict], budget: float = 0.1, worst: int = 8) -> str:
     frac = {k: _mean([r["per_layer_fraction"].get(k) for r in ig]) for k in layers}
     gap = sorted(layers, key=lambda k: rec[k] - best[k])[:worst]
     out = [
-        f"\n### Where InfiniGen loses recall (budget {budget:.0%}, mean over the ppl windows)\n",
+        f"\n### Where InfiniGen loses recall (budget {budget:.0%}, mean over the {suite} windows)\n",
         "| layer | infinigen recall | oracle recall | gap | worst heads (recall) |",
         "|---|---|---|---|---|",
     ]
     for k in gap:
-        heads = [
-            _mean(v)
-            for v in zip(*[r["per_head_recall"][k] for r in ig if k in r.get("per_head_recall", {})], strict=True)
-        ]
+        per_run = [r["per_head_recall"][k] for r in ig if k in r.get("per_head_recall", {})]
+        heads = [_mean(v) for v in zip(*per_run, strict=True)] if per_run else []
         worst_heads = sorted(range(len(heads)), key=lambda h: heads[h])[:3]
         out.append(
             f"| {k} | {rec[k]:.3f} | {best[k]:.3f} | {rec[k] - best[k]:+.3f} | "
@@ -163,7 +165,9 @@ def markdown(rows: list[dict], meta: dict[str, Any], targets: str = "") -> str:
     if any(r["suite"] in ("passkey", "needle") for r in rows):
         parts.append("## Retrieval\n" + retrieval_tables(rows))
     lt = layer_table(rows)
-    if lt:
+    if any(r["suite"] == "variants" for r in rows):
+        lt += "\n" + layer_table(rows, suite="variants", label=DEFAULT_VARIANT)
+    if lt.strip():
         parts.append("## Per layer and head\n" + lt)
     if any(r["suite"] == "sensitivity" for r in rows):
         parts.append("## Sensitivity\n" + sensitivity_table(rows))

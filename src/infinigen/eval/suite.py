@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from infinigen.config import BUDGETED, InfiniGenConfig
 from infinigen.eval.forced import ForcedEvaluator, ForcedResult
+from infinigen.eval.report import DEFAULT_VARIANT
 from infinigen.eval.teacher_forced import kl_divergence, top1_agreement
 
 ALL_POLICIES = ("dense", "full", "int4", "infinigen", "h2o", "streaming", "quest", "oracle")
@@ -213,14 +214,15 @@ class EvalRunner:
 
     def variants_suite(self, bar=None) -> list[dict]:
         """InfiniGen variants at one matched budget — the fixes the per-layer data suggests:
-        GQA aggregation, a larger partial ratio, one more dense layer, no skew."""
+        GQA aggregation, a larger partial ratio, one more dense layer, no skew — next to the
+        oracle, and Quest with smaller pages (a check on where Quest loses)."""
         from infinigen.eval.datasets import text_windows
 
         st = self.settings
         b = st.variant_budget
         common = dict(st.base, kv_dtype=st.kv_dtype, alpha=math.inf, budget=b)
         variants = [
-            ("default (union, r=0.3, skew)", {}),
+            (DEFAULT_VARIANT, {}),
             ("aggregation=max", {"aggregation": "max"}),
             ("partial_ratio=0.5", {"partial_ratio": 0.5}),
             ("dense_layers=3", {"dense_layers": 3}),
@@ -232,6 +234,10 @@ class EvalRunner:
             runs = [("dense", None, InfiniGenConfig(policy="dense"))]
             runs += [("oracle", b, InfiniGenConfig(policy="oracle", budget=b, kv_dtype=st.kv_dtype))]
             runs += [(name, b, InfiniGenConfig(**{**common, **kw})) for name, kw in variants]
+            # Quest's loss comes from its page bound, not from being query-aware: smaller pages.
+            for page in (4, 1):
+                cfg = InfiniGenConfig(policy="quest", budget=b, page_tokens=page, kv_dtype=st.kv_dtype)
+                runs.append((f"quest page_tokens={page}", b, cfg))
             for row in self.ppl_window(ids, runs):
                 rows.append({"suite": "variants", "dataset": ds, "context": st.sensitivity_context, **row})
             if bar is not None:
