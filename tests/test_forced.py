@@ -17,6 +17,7 @@ CONFIGS = {
     "infinigen-fp16-streamed": InfiniGenConfig(
         alpha=0.5, min_tokens=2, kv_dtype="float16", dense_layers_on_compute=False, **BASE
     ),
+    "infinigen-mass-budget": InfiniGenConfig(alpha=float("inf"), budget=0.25, aggregation="mass", **BASE),
     "h2o": InfiniGenConfig(policy="h2o", budget=0.3, **BASE),
     "streaming": InfiniGenConfig(policy="streaming", budget=0.3, sinks=2, **BASE),
     "quest": InfiniGenConfig(policy="quest", budget=0.3, page_tokens=4, kv_dtype="float16", **BASE),

@@ -58,7 +58,7 @@ def test_group_aggregations_match_definitions(seed):
     scores, valid, hkv = random_case(seed)
     group = scores.shape[1] // hkv
     alpha = 2.5
-    for how in ("max", "sum", "union"):
+    for how in ("max", "sum", "union", "mass"):
         g = aggregate_group(scores, valid, hkv, how)
         sel = select_positions(g, valid, alpha)
         for b in range(scores.shape[0]):
@@ -73,6 +73,15 @@ def test_group_aggregations_match_definitions(seed):
                     agg = {p: sum(heads[j, p].item() for j in range(group)) for p in pos}
                     top = max(agg.values())
                     want = {p for p in pos if agg[p] >= top - alpha}
+                elif how == "mass":
+                    # summed softmax probabilities over the real positions, head by head
+                    mass = {p: 0.0 for p in pos}
+                    for j in range(group):
+                        z = sum(math.exp(heads[j, q].item()) for q in pos)
+                        for p in pos:
+                            mass[p] += math.exp(heads[j, p].item()) / z
+                    top = max(mass.values())
+                    want = {p for p in pos if mass[p] >= top * math.exp(-alpha)}
                 else:
                     want = set()
                     for j in range(group):
@@ -80,6 +89,19 @@ def test_group_aggregations_match_definitions(seed):
                         want |= {p for p in pos if heads[j, p].item() >= top - alpha}
                 got = {int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v}
                 assert got == want, how
+
+
+def test_mass_ranks_padded_and_empty_rows_safely():
+    scores, valid, hkv = random_case(4)
+    valid = valid.clone()
+    valid[0] = False  # a row without any real position: no NaN, nothing selected
+    g = aggregate_group(scores, valid, hkv, "mass")
+    assert torch.isneginf(g[0]).all() and torch.isneginf(g[1, :, :7]).all()
+    assert torch.isfinite(g[1, :, 7:]).all()
+    # the group's probability masses sum to the group size
+    assert torch.allclose(g[1, :, 7:].exp().sum(-1), torch.full((hkv,), scores.shape[1] / hkv))
+    sel = select_positions(g, valid, math.inf, budget=0.2)
+    assert sel.counts[0].tolist() == [0, 0] and sel.counts[1].tolist() == [7, 7]
 
 
 def test_union_contains_max_selection():

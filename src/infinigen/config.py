@@ -11,7 +11,7 @@ from typing import Any
 
 POLICIES = ("infinigen", "full", "dense", "h2o", "streaming", "int4", "quest", "oracle")
 BUDGETED = ("h2o", "streaming", "quest", "oracle")
-AGGREGATIONS = ("max", "sum", "union")
+AGGREGATIONS = ("max", "sum", "union", "mass")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
 TIERS = ("ram", "disk", "pinned")
 EVICTIONS = ("counter", "lru", "fifo")
@@ -38,7 +38,9 @@ class InfiniGenConfig:
     budget_tokens: optional absolute cap (positions per KV head); the smaller cap wins.
     min_tokens:    floor on the selected positions per KV head (never more than the context).
     dense_layers:  layers ``< dense_layers`` are not speculated and fetch everything.
-    aggregation:   how a GQA group's query-head scores become one selection per KV head.
+    aggregation:   how a GQA group's query-head scores become one selection per KV head:
+                   ``union`` (default), ``max``, ``sum`` or ``mass`` (the group's summed
+                   estimated attention probability, the oracle's ranking; see speculate.py).
     skew:          use the SVD skew (``False``: identity, i.e. plain channel choice).
     kv_dtype:      storage dtype of the slow tier (``None``: the model's dtype).
     calibration_tokens: length of the calibration sequence (``None``: the model's context,

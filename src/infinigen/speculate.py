@@ -93,7 +93,10 @@ def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int
       max:   a position is kept if the group's largest score is within alpha of the group's top;
       sum:   the same on the sum of the group's scores (a wider spread: fewer positions pass);
       union: kept if it is within alpha of the top for *any* head of the group — computed as
-             g = max_h(s_h - max(s_h)), so max(g) = 0 and g >= -alpha is exactly the union.
+             g = max_h(s_h - max(s_h)), so max(g) = 0 and g >= -alpha is exactly the union;
+      mass:  the log of the group's summed estimated attention probabilities,
+             g = log Σ_h softmax(s_h) — the quantity the oracle ranks by, estimated; kept if the
+             group's mass at the position is within a factor e^alpha of the largest.
     """
     b, h, t = scores.shape
     s = scores.to(torch.float32).reshape(b, num_kv_heads, h // num_kv_heads, t)
@@ -106,8 +109,12 @@ def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int
     elif how == "union":
         top = s.amax(-1, keepdim=True)
         g = (s - top.clamp(min=-1e30)).amax(2)
+    elif how == "mass":
+        # rows without a real position (all -inf) would give NaN: treat them as zero mass
+        logp = torch.log_softmax(s.masked_fill(pad.expand_as(s) & ~valid.any(-1)[:, None, None, None], 0.0), -1)
+        g = torch.logsumexp(logp, 2)
     else:
-        raise ValueError(f"unknown aggregation {how!r}; use max, sum or union")
+        raise ValueError(f"unknown aggregation {how!r}; use max, sum, union or mass")
     return g.masked_fill(~valid[:, None, :], -math.inf)
 
 
