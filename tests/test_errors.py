@@ -56,3 +56,20 @@ def test_attach_wraps_generate_and_detach_restores_it():
     assert torch.equal(out, ref)
     assert "generate" not in model.__dict__
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_eval_set_overrides_are_typed_and_validated():
+    from infinigen.cli import _overrides
+
+    assert _overrides(["partial_ratio=0.5", "skew=off", "dense-layers=3", "aggregation=mass"]) == {
+        "partial_ratio": 0.5,
+        "skew": False,
+        "dense_layers": 3,
+        "aggregation": "mass",
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        _overrides(["budget=0.5"])  # the eval sets budgets itself
+    with pytest.raises(ValueError, match="takes an integer"):
+        _overrides(["dense_layers=two"])
+    with pytest.raises(ValueError, match="partial_ratio"):
+        _overrides(["partial_ratio=1.5"])  # InfiniGenConfig's own check, before any model loads

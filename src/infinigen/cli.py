@@ -314,6 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--alphas", default="1,2,3,4,5,6,7,8", help="sensitivity: alpha values")
     e.add_argument("--ratios", default="0.1,0.2,0.3,0.5,0.7,1.0", help="sensitivity: partial ratios")
     e.add_argument("--sensitivity-context", type=int, default=2048)
+    e.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an InfiniGen setting for every run, e.g. --set partial_ratio=0.5 "
+        f"(repeatable; keys: {', '.join(EVAL_SETTABLE)})",
+    )
     e.add_argument("--out", default="results/eval", help="folder for eval.json, eval.md and the PNG plots")
     e.set_defaults(func=cmd_eval)
 
@@ -325,6 +333,47 @@ def build_parser() -> argparse.ArgumentParser:
     decode_parser(bd)
     bd.set_defaults(func=cmd_bench_decode)
     return ap
+
+
+# Settings `infinigen eval --set` may override; the eval itself sets policy, alpha and budget.
+EVAL_SETTABLE: dict[str, type] = {
+    "partial_ratio": float,
+    "aggregation": str,
+    "dense_layers": int,
+    "skew": bool,
+    "min_tokens": int,
+    "calibration_tokens": int,
+    "block_tokens": int,
+    "sinks": int,
+    "recent_ratio": float,
+    "page_tokens": int,
+}
+
+
+def _overrides(items: list[str]) -> dict:
+    """KEY=VALUE strings -> InfiniGenConfig fields, typed and validated up front."""
+    from infinigen.config import InfiniGenConfig
+
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in EVAL_SETTABLE:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(EVAL_SETTABLE)}")
+        kind = EVAL_SETTABLE[key]
+        value = value.strip()
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "on", "off", "1", "0"):
+                    raise ValueError(value)
+                out[key] = value.lower() in ("true", "on", "1")
+            else:
+                out[key] = kind(value)
+        except ValueError:
+            what = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, "a string")
+            raise ValueError(f"--set {item!r}: {key} takes {what}") from None
+    InfiniGenConfig(**out)  # invalid values fail here, before the model loads
+    return out
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -371,6 +420,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         alphas=_floats(args.alphas),
         ratios=_floats(args.ratios),
         sensitivity_context=args.sensitivity_context,
+        base=_overrides(args.set),
     )
     if any(c <= settings.score_tokens + 16 for c in settings.contexts):
         raise ValueError("every --contexts value must exceed --score-tokens by more than 16")
