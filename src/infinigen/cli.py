@@ -428,6 +428,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(args.model, progress=not args.quiet)
     start = time.time()
+    commit = _commit()  # the code that runs is the code at the start, not at the end
     partial = out / "eval.partial.json"
 
     def save_partial(rows: list[dict]) -> None:
@@ -437,7 +438,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     partial.unlink(missing_ok=True)
     meta = {
         "model": args.model or "smollm2",
-        "commit": _commit(),
+        "commit": commit,
         "machine": _machine(),
         "kv_dtype": settings.kv_dtype,
         "command": "infinigen " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("infinigen") else " ".join(sys.argv),
