@@ -110,9 +110,8 @@ def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int
         top = s.amax(-1, keepdim=True)
         g = (s - top.clamp(min=-1e30)).amax(2)
     elif how == "mass":
-        # rows without a real position (all -inf) would give NaN: treat them as zero mass
-        logp = torch.log_softmax(s.masked_fill(pad.expand_as(s) & ~valid.any(-1)[:, None, None, None], 0.0), -1)
-        g = torch.logsumexp(logp, 2)
+        # a row without any real position gives NaN here; the padding mask below overwrites it
+        g = torch.logsumexp(torch.log_softmax(s, -1), 2)
     else:
         raise ValueError(f"unknown aggregation {how!r}; use max, sum, union or mass")
     return g.masked_fill(~valid[:, None, :], -math.inf)
