@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import left_padded_batch, tiny_model
-from infinigen import InfiniGenCache, InfiniGenConfig, detach
-from infinigen.kv.disk import KVStorageError
+from infinigen import InfiniGenConfig, attach
+from infinigen.storage import KVStorageError
 
 
 def _generate(model, ids, mask, cache, n=6):
@@ -27,61 +27,56 @@ def _generate(model, ids, mask, cache, n=6):
 def test_disk_tier_matches_ram_tier_bit_for_bit(tmp_path, policy, alpha):
     model = tiny_model("llama")
     ids, mask = left_padded_batch(length=40, pad=6)
-    base = dict(policy=policy, alpha=alpha, calibration_tokens=64, kv_dtype="float16", min_tokens=2)
-    ram = InfiniGenCache(model, InfiniGenConfig(tier="ram", **base), progress=False)
-    out_ram = _generate(model, ids, mask, ram)
-    disk = InfiniGenCache(model, InfiniGenConfig(tier="disk", kv_dir=str(tmp_path), **base), progress=False)
-    out_disk = _generate(model, ids, mask, disk)
+    base = InfiniGenConfig(policy=policy, alpha=alpha, calibration_tokens=64, kv_dtype="float16", min_tokens=2)
+    with attach(model, base, progress=False) as session:
+        ram = session.new_cache(base)
+        out_ram = _generate(model, ids, mask, ram)
+        disk = session.new_cache(base.replace(tier="disk", kv_dir=str(tmp_path)), trace=True)
+        out_disk = _generate(model, ids, mask, disk)
+        files = list(tmp_path.iterdir())
+        s_ram, s_disk = ram.summary(), disk.summary()
+        disk.close()
     assert torch.equal(out_ram.sequences, out_disk.sequences)
     for a, b in zip(out_ram.logits, out_disk.logits):
         assert torch.equal(a, b)
-    tiered = [(lr, ld) for lr, ld in zip(ram.layers, disk.layers) if ld.tier is not None]
-    assert len(tiered) == len(disk.layers) - (2 if policy == "infinigen" else 0)  # dense layers stay on compute
-    for lr, ld in tiered:
-        kr, vr = lr.tier.peek_all()
-        kd, vd = ld.tier.peek_all()
-        assert torch.equal(kr, kd) and torch.equal(vr, vd)
-    s_ram, s_disk = ram.summary(), disk.summary()
+    offloaded = [p for p in s_disk["per_layer"] if p["role"] != "compute"]
+    assert len(offloaded) == len(s_disk["per_layer"]) - (2 if policy == "infinigen" else 0)  # dense layers on compute
+    assert len(files) == len(offloaded)  # one file per offloaded layer
     assert s_ram["rows_fetched"] == s_disk["rows_fetched"]
     assert s_disk["bytes_fetched"] >= s_ram["bytes_fetched"]  # whole 4 KiB blocks
-    assert s_disk["read_amplification"] >= 1.0
-    assert len(list(tmp_path.iterdir())) == len(tiered)
-    disk.close()
+    assert s_disk["read_amplification"] >= 1.0 and s_ram["read_amplification"] == 1.0
     assert list(tmp_path.iterdir()) == []
-    detach(model)
 
 
 def test_every_decode_layer_waits_only_on_its_own_prefetch(tmp_path):
     model = tiny_model("qwen2")
     ids, mask = left_padded_batch(length=30)
     cfg = InfiniGenConfig(alpha=2.0, calibration_tokens=64, tier="disk", kv_dir=str(tmp_path))
-    cache = InfiniGenCache(model, cfg, progress=False)
-    issued = []
-    orig = cache.prefetch
-
-    def spy(layer_idx, x, pe, own=False):
-        layer = cache.layers[layer_idx]
-        before = layer.prefetched
-        orig(layer_idx, x, pe, own=own)
-        if before is None and layer.prefetched is not None:  # this call issued the transfer
-            issued.append((layer.length, layer_idx, own))  # past length: one value per step
-
-    cache.prefetch = spy
-    with cache:
+    with attach(model, cfg, progress=False) as session, session.new_cache(trace=True) as cache:
         _generate(model, ids, mask, cache, n=4)
         s = cache.summary()
-        # One set of I/O threads for the whole cache, not one per layer.
-        assert len({id(layer.tier._pools()[1]) for layer in cache.layers if layer.tier is not None}) == 1
-    # Every tiered layer of every decode step had its transfer issued one layer ahead.
+    # Every offloaded layer of every decode step had its transfer issued one layer ahead.
     steps, prompt = s["decode_steps"], ids.shape[1]
-    tiered = [i for i in range(len(cache.layers)) if not cache.on_compute(i)]
-    assert tiered == [2, 3]
-    want = [(prompt + t, i, False) for t in range(steps) for i in tiered]
-    assert sorted(issued) == want
+    offloaded = [p["layer"] for p in s["per_layer"] if p["role"] != "compute"]
+    assert offloaded == [2, 3]
+    issued = sorted((r.past, r.layer, r.issued_at) for r in cache.trace)
+    assert issued == [(prompt + t, i, i - 1) for t in range(steps) for i in offloaded]
+    assert all(r.selection is not None for r in cache.trace)
     assert all(p["wait_seconds"] >= 0 for p in s["per_layer"])
     assert s["wait_seconds"] == pytest.approx(sum(p["wait_seconds"] for p in s["per_layer"]))
     assert list(tmp_path.iterdir()) == []
-    detach(model)
+
+
+def test_own_query_selectors_are_issued_at_their_own_layer():
+    """Quest and the oracle need layer i's true query: nothing can go ahead of it."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(length=30)
+    for policy in ("quest", "oracle"):
+        cfg = InfiniGenConfig(policy=policy, budget=0.3, page_tokens=4)
+        with attach(model, cfg, progress=False) as session:
+            cache = session.new_cache(trace=True)
+            _generate(model, ids, mask, cache, n=3)
+        assert cache.trace and all(r.issued_at == r.layer for r in cache.trace), policy
 
 
 def test_no_room_for_the_kv_files_fails_before_anything_is_written(tmp_path, monkeypatch):
@@ -92,14 +87,13 @@ def test_no_room_for_the_kv_files_fails_before_anything_is_written(tmp_path, mon
     ids, mask = left_padded_batch()
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
-    cache = InfiniGenCache(
-        model, InfiniGenConfig(tier="disk", kv_dir=str(tmp_path), calibration_tokens=64), progress=False
-    )
-    with pytest.raises(KVStorageError, match="not enough free space"):
-        _generate(model, ids, mask, cache)
+    cfg = InfiniGenConfig(tier="disk", kv_dir=str(tmp_path), calibration_tokens=64)
+    with attach(model, cfg, progress=False) as session:
+        cache = session.new_cache()
+        with pytest.raises(KVStorageError, match="not enough free space"):
+            _generate(model, ids, mask, cache)
+        assert cache.summary()["bytes_fetched"] == 0
     assert list(tmp_path.iterdir()) == []
-    assert all(layer.tier is None for layer in cache.layers)
-    detach(model)
 
 
 def test_unwritable_kv_directory_is_a_clear_error(tmp_path):
@@ -108,10 +102,9 @@ def test_unwritable_kv_directory_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     cfg = InfiniGenConfig(policy="full", tier="disk", kv_dir=str(blocker / "sub"))
-    cache = InfiniGenCache(model, cfg, progress=False)
-    with pytest.raises(KVStorageError, match="cannot be created|not a writable"):
-        _generate(model, ids, mask, cache)
-    detach(model)
+    with attach(model, cfg, progress=False) as session:
+        with pytest.raises(KVStorageError, match="cannot be created|not a directory|not writable"):
+            _generate(model, ids, mask, session.new_cache())
 
 
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
@@ -127,64 +120,72 @@ def test_kv_files_removed_when_generation_raises(tmp_path, exc):
     ids, mask = left_padded_batch()
     cfg = InfiniGenConfig(policy="full", tier="disk", kv_dir=str(tmp_path))
     with pytest.raises(exc, match="boom"):
-        with InfiniGenCache(model, cfg, progress=False) as cache:
+        with attach(model, cfg, progress=False) as session:
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache,
+                input_ids=ids, attention_mask=mask, max_new_tokens=4,
                 stopping_criteria=StoppingCriteriaList([Interrupt()]), pad_token_id=0,
             )  # fmt: skip
     assert list(tmp_path.iterdir()) == []
-    detach(model)
+    assert session.last_cache is not None
 
 
 def test_two_caches_never_share_a_file(tmp_path):
     model = tiny_model("llama")
     ids, mask = left_padded_batch()
     cfg = InfiniGenConfig(policy="full", tier="disk", kv_dir=str(tmp_path))
-    a = InfiniGenCache(model, cfg, progress=False)
-    _generate(model, ids, mask, a, n=2)
-    b = InfiniGenCache(model, cfg, progress=False)
-    _generate(model, ids, mask, b, n=2)
-    files_a = {layer.tier.path for layer in a.layers if layer.tier is not None}
-    files_b = {layer.tier.path for layer in b.layers if layer.tier is not None}
-    assert len(files_a) == len(a.layers) and not files_a & files_b
-    a.close()
-    b.close()
-    detach(model)
+    layers = model.config.num_hidden_layers
+    with attach(model, cfg, progress=False) as session:
+        a = session.new_cache()
+        _generate(model, ids, mask, a, n=2)
+        files_a = set(tmp_path.iterdir())
+        b = session.new_cache()
+        _generate(model, ids, mask, b, n=2)
+        files_b = set(tmp_path.iterdir()) - files_a
+        assert len(files_a) == len(files_b) == layers
+        a.close()
+        assert set(tmp_path.iterdir()) == files_b
+        b.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_host_pool_at_full_capacity_changes_nothing():
+    """A pool with room for every position of the generation must be invisible: the same tokens,
+    logits, rows and bytes as no pool, and no eviction — while it really is a pool."""
     model = tiny_model("llama")
     ids, mask = left_padded_batch(length=40, pad=6)
-    base = dict(alpha=1.0, calibration_tokens=64, min_tokens=2)
-    ref = _generate(model, ids, mask, InfiniGenCache(model, InfiniGenConfig(**base), progress=False))
-    pooled = InfiniGenCache(model, InfiniGenConfig(host_capacity=1.0, **base), progress=False)
-    out = _generate(model, ids, mask, pooled)
+    n = 8
+    cfg = InfiniGenConfig(alpha=1.0, calibration_tokens=64, min_tokens=2)
+    with attach(model, cfg, progress=False) as session:
+        plain = session.new_cache(max_length=ids.shape[1] + n)
+        ref = _generate(model, ids, mask, plain, n=n)
+        pooled = session.new_cache(cfg.replace(host_capacity=1.0), max_length=ids.shape[1] + n)
+        out = _generate(model, ids, mask, pooled, n=n)
+        s_plain, s_pool = plain.summary(), pooled.summary()
     assert torch.equal(out.sequences, ref.sequences)
-    assert pooled.summary()["evictions"] == 0
-    detach(model)
+    for a, b in zip(out.logits, ref.logits):
+        assert torch.equal(a, b)
+    speculated = model.config.num_hidden_layers - cfg.dense_layers
+    assert s_pool["host_pool_slots"] == speculated * 2 * 2 * (ids.shape[1] + n)  # B * Hkv slots per layer
+    assert s_plain["host_pool_slots"] == 0
+    assert s_pool["evictions"] == 0
+    assert s_pool["rows_fetched"] == s_plain["rows_fetched"] and s_pool["bytes_fetched"] == s_plain["bytes_fetched"]
+    assert s_pool["fetched_fraction"] == s_plain["fetched_fraction"] < 1
 
 
 @pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
 def test_capped_host_pool_evicts_and_never_selects_what_it_evicted(eviction):
+    """Half the positions: evictions happen, and generation succeeds — a gather of an evicted
+    position would raise, so no selection named one."""
     model = tiny_model("llama")
     ids, mask = left_padded_batch(length=40, pad=6)
+    n = 8
     cfg = InfiniGenConfig(alpha=2.0, calibration_tokens=64, host_capacity=0.5, eviction=eviction, min_tokens=2)
-    cache = InfiniGenCache(model, cfg, progress=False)
-    seen = []
-    orig = cache.select
-
-    def spy(layer_idx, x, pe):
-        orig(layer_idx, x, pe)
-        layer = cache.layers[layer_idx]
-        sel = layer.prefetched[0]
-        resident = layer.pool.resident(layer.length)
-        chosen = torch.zeros_like(resident, dtype=torch.long).scatter_add_(-1, sel.indices, sel.valid.long()) > 0
-        seen.append(bool((chosen & ~resident).any()))
-
-    cache.select = spy
-    _generate(model, ids, mask, cache, n=8)
-    s = cache.summary()
-    assert s["evictions"] > 0 and seen and not any(seen)
-    for layer in cache.layers[cfg.dense_layers :]:
-        assert layer.pool.capacity == 20 and layer.tier.length == 20
-    detach(model)
+    with attach(model, cfg, progress=False) as session:
+        cache = session.new_cache(max_length=ids.shape[1] + n, trace=True)
+        _generate(model, ids, mask, cache, n=n)
+        s = cache.summary()
+    speculated = model.config.num_hidden_layers - cfg.dense_layers
+    assert s["evictions"] > 0 and s["host_pool_slots"] == speculated * 2 * 2 * 24  # ceil(0.5 * 48)
+    assert len(cache.trace) == speculated * (n - 1)
+    # Every selection stays within the pool's capacity per (batch row, KV head).
+    assert all(int(r.selection.counts.max()) <= 24 for r in cache.trace)

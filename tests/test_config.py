@@ -27,7 +27,12 @@ from infinigen import ConfigError, InfiniGenConfig
         {"layer_alpha": {3: -1.0}},
         {"layer_alpha": {"3": 1.0}},
         {"policy": "int4", "tier": "disk"},
-        {"policy": "h2o", "host_capacity": 0.5},
+        {"policy": "full", "host_capacity": 0.5},
+        {"host_capacity": 0.5, "tier": "disk"},
+        {"alpha": True},
+        {"min_tokens": 2.5},
+        {"kv_dir": 3},
+        {"io_threads": 0},
     ],
 )
 def test_bad_values_are_refused(kwargs):
@@ -39,3 +44,94 @@ def test_edges_are_accepted():
     cfg = InfiniGenConfig(alpha=math.inf, partial_ratio=1.0, budget=1.0)
     assert cfg.to_dict()["alpha"] == "inf"
     assert InfiniGenConfig(alpha=0.0, partial_ratio=0.01, budget=1e-3).alpha == 0.0
+
+
+def test_round_trip_through_json():
+    import json
+
+    cfg = InfiniGenConfig(alpha=math.inf, layer_alpha={2: 6.0, 5: math.inf}, policy="quest", budget=0.2)
+    back = InfiniGenConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg
+    with pytest.raises(ConfigError, match="unknown settings"):
+        InfiniGenConfig.from_dict({"alpah": 3})
+
+
+def test_selectors_get_their_own_knobs_with_the_policy_default_budget():
+    from infinigen.config import H2OKnobs, SpeculationKnobs
+
+    assert InfiniGenConfig(policy="h2o").knobs(H2OKnobs) == H2OKnobs(budget=0.1, recent_ratio=0.5)
+    assert InfiniGenConfig().knobs(SpeculationKnobs).budget == 1.0  # no cap on the alpha threshold
+    assert InfiniGenConfig(policy="h2o", budget=0.3).knobs(H2OKnobs).budget == 0.3
+
+
+@pytest.mark.parametrize(
+    "name,text,value",
+    [
+        ("alpha", "inf", math.inf),
+        ("skew", "off", False),
+        ("budget_tokens", "none", None),
+        ("layer_alpha", "2:6, 3:7.5", {2: 6.0, 3: 7.5}),
+        ("kv_dtype", "bfloat16", "bfloat16"),
+    ],
+)
+def test_settings_parse_from_text(name, text, value):
+    from infinigen.config import parse_setting
+
+    assert parse_setting(name, text) == value
+
+
+def test_text_that_does_not_parse_names_the_setting():
+    from infinigen.config import parse_setting
+
+    with pytest.raises(ConfigError, match="min_tokens takes an integer"):
+        parse_setting("min_tokens", "many")
+    with pytest.raises(ConfigError, match="unknown setting 'alpah'; known: .*alpha"):
+        parse_setting("alpah", "1")
+
+
+def _flags(parser) -> set[str]:
+    import re
+
+    return set(re.findall(r"--[a-z][a-z-]*", parser.format_help()))
+
+
+def test_every_setting_is_a_flag_of_every_command():
+    """Flags are derived from the config: none missing, none copied by hand."""
+    from infinigen.bench.decode import build_parser as bench_parser
+    from infinigen.cli import EVAL_FIXED, build_parser, eval_overrides
+    from infinigen.config import setting_fields
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices  # argparse's subcommands
+    for name in setting_fields():
+        flag = "--" + name.replace("_", "-")
+        assert flag in _flags(sub["generate"]), name
+        assert flag in _flags(bench_parser()) or name == "policy", name
+        assert flag in _flags(sub["demo"]) or name == "policy", name
+        if name not in EVAL_FIXED:
+            default = getattr(InfiniGenConfig(), name)
+            text = ",".join(f"{k}:{v}" for k, v in default.items()) if isinstance(default, dict) else str(default)
+            assert eval_overrides([f"{name}={text}"]) == {name: default}, name
+
+
+def test_flags_build_the_same_config_as_the_api():
+    from infinigen.cli import RUN_DEFAULTS, build_parser
+    from infinigen.config import from_arguments
+
+    argv = [
+        "generate",
+        "--alpha",
+        "4",
+        "--no-skew",
+        "--policy",
+        "h2o",
+        "--recent-ratio",
+        "0.25",
+        "--layer-alpha",
+        "3:2",
+    ]
+    args = build_parser().parse_args(argv)
+    cfg = from_arguments(args, RUN_DEFAULTS)
+    want = InfiniGenConfig(
+        alpha=4.0, skew=False, policy="h2o", recent_ratio=0.25, layer_alpha={3: 2.0}, kv_dtype="float16"
+    )
+    assert cfg == want

@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infinigen.kv.disk import DiskTier, KVCapacityError, KVStorageError
-from infinigen.kv.stats import TransferStats
-from infinigen.kv.tiers import RamTier
+from infinigen.storage import DiskTier, KVCapacityError, KVStorageError, RamTier, TransferStats
 
 B, H, D = 2, 3, 64
 PREFILL, DECODE = 300, 20

@@ -5,25 +5,26 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import left_padded_batch, tiny_model
-from infinigen import ContextTooLongError, InfiniGenCache, InfiniGenConfig, UnsupportedModelError, attach, detach
+from infinigen import ContextTooLongError, InfiniGenConfig, UnsupportedModelError, attach
 
 
 def test_unsupported_architecture_names_the_supported_ones():
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)).eval()
     with pytest.raises(UnsupportedModelError, match="gpt2.*supported: llama, mistral, opt, qwen2"):
         attach(model, InfiniGenConfig(), progress=False)
-    assert not hasattr(model, "_infinigen_attachment")
-    assert model.config._attn_implementation != "infinigen"
+    assert model.config._attn_implementation != "infinigen" and "generate" not in vars(model)
 
 
 def test_prompt_longer_than_context_fails_before_any_work():
     model = tiny_model("llama")  # 256 positions
-    cache = InfiniGenCache(model, InfiniGenConfig(calibration_tokens=64), progress=False)
     ids = torch.randint(3, 96, (1, 300))
-    with pytest.raises(ContextTooLongError, match="300 tokens exceed the model's context of 256"):
-        model.generate(input_ids=ids, max_new_tokens=2, past_key_values=cache, do_sample=False)
-    assert all(layer.length == 0 and layer.tier is None for layer in cache.layers)
-    detach(model)
+    with attach(model, InfiniGenConfig(calibration_tokens=64), progress=False) as session:
+        cache = session.new_cache()
+        with pytest.raises(ContextTooLongError, match="300 tokens exceed the model's context of 256"):
+            model.generate(input_ids=ids, max_new_tokens=2, past_key_values=cache, do_sample=False)
+        assert cache.get_seq_length() == 0 and cache.summary()["bytes_fetched"] == 0
+        with pytest.raises(ContextTooLongError, match="max_length"):
+            session.new_cache(max_length=257)
 
 
 def test_generation_check_counts_new_tokens():
@@ -38,12 +39,12 @@ def test_generation_check_counts_new_tokens():
 def test_beam_search_is_refused_clearly():
     model = tiny_model("llama")
     ids, mask = left_padded_batch()
-    cache = InfiniGenCache(model, InfiniGenConfig(calibration_tokens=64), progress=False)
-    with pytest.raises(NotImplementedError, match="beam search|num_return_sequences"):
-        model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, past_key_values=cache, pad_token_id=0
-        )
-    detach(model)
+    with attach(model, InfiniGenConfig(calibration_tokens=64), progress=False) as session:
+        with pytest.raises(NotImplementedError, match="beam search|num_return_sequences"):
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, past_key_values=session.new_cache(),
+                pad_token_id=0,
+            )  # fmt: skip
 
 
 def test_attach_wraps_generate_and_detach_restores_it():
@@ -59,17 +60,22 @@ def test_attach_wraps_generate_and_detach_restores_it():
 
 
 def test_eval_set_overrides_are_typed_and_validated():
-    from infinigen.cli import _overrides
+    from infinigen.cli import eval_overrides
 
-    assert _overrides(["partial_ratio=0.5", "skew=off", "dense-layers=3", "aggregation=mass"]) == {
+    assert eval_overrides(["partial_ratio=0.5", "skew=off", "dense-layers=3", "aggregation=mass", "sinks=2"]) == {
         "partial_ratio": 0.5,
         "skew": False,
         "dense_layers": 3,
         "aggregation": "mass",
+        "sinks": 2,
+    }
+    assert eval_overrides(["layer_alpha=2:6,25:inf", "host_capacity=none"]) == {
+        "layer_alpha": {2: 6.0, 25: float("inf")},
+        "host_capacity": None,
     }
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        _overrides(["budget=0.5"])  # the eval sets budgets itself
+        eval_overrides(["budget=0.5"])  # the eval sets budgets itself
     with pytest.raises(ValueError, match="takes an integer"):
-        _overrides(["dense_layers=two"])
+        eval_overrides(["dense_layers=two"])
     with pytest.raises(ValueError, match="partial_ratio"):
-        _overrides(["partial_ratio=1.5"])  # InfiniGenConfig's own check, before any model loads
+        eval_overrides(["partial_ratio=1.5"])  # InfiniGenConfig's own check, before any model loads

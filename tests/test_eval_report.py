@@ -22,7 +22,7 @@ def test_matched_budget_configs():
             assert cfg.budget == b
         if p == "infinigen":
             assert math.isinf(cfg.alpha)  # exactly the budget: top positions of the speculated scores
-        assert cfg.kv_dtype == (None if p == "dense" else "float16")
+        assert cfg.kv_dtype == "float16"
 
 
 def _ppl_row(policy, budget, ppl, fetched, recall=None):

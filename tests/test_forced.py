@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from infinigen import InfiniGenConfig, detach
-from infinigen.eval.forced import ForcedEvaluator
-from infinigen.eval.teacher_forced import forced_logits
+from infinigen import InfiniGenConfig
+from infinigen.eval.evaluator import Evaluator
+from infinigen.eval.stepwise import forced_logits
 
 BASE = dict(calibration_tokens=64, measure_recall=True)
 CONFIGS = {
@@ -38,10 +38,10 @@ def test_vectorized_evaluator_equals_step_by_step_decode(setup, name):
     cfg = CONFIGS[name]
     prefix_len, steps = 40, 12
     step = forced_logits(model, ids, prefix_len, steps + 1, cfg, progress=False)
-    detach(model)
-    ev = ForcedEvaluator(model)
-    prefix = ev.prefill(ids[:, :prefix_len], column_sums=True)
-    got = ev.run(prefix, ids[:, prefix_len : prefix_len + steps], cfg, measure_recall=True)
+    with Evaluator(model) as ev:
+        prefix = ev.prefill(ids[:, :prefix_len])
+        keys = [layer.keys.clone() for layer in prefix.cache.layers]
+        got = ev.run(prefix, ids[:, prefix_len : prefix_len + steps], cfg, measure_recall=True)
     torch.testing.assert_close(prefix.last_logits[0], step.logits[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.logits[0], step.logits[1:], rtol=1e-4, atol=1e-4)
     s = step.summary
@@ -53,4 +53,5 @@ def test_vectorized_evaluator_equals_step_by_step_decode(setup, name):
         assert max(got.per_layer_fraction.values()) < 0.8, "the selection must be sparse to mean anything"
     # The shared prefill is left as it was, so the next policy starts from the same prefix.
     assert prefix.cache.get_seq_length() == prefix_len
-    detach(model)
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(keys, prefix.cache.layers))
+    assert model.config._attn_implementation == "sdpa"  # the evaluator detached on exit

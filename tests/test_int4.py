@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from infinigen.kv.quantized import (
+from infinigen.storage import TransferStats
+from infinigen.storage.int4 import (
     Int4RamTier,
     dequantize_int4,
     fake_quantize_int4,
@@ -11,7 +12,6 @@ from infinigen.kv.quantized import (
     int4_row_bytes,
     quantize_int4,
 )
-from infinigen.kv.stats import TransferStats
 
 
 def _reference(x: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

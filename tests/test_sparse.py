@@ -12,25 +12,18 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from conftest import left_padded_batch, tiny_model
-from infinigen import InfiniGenCache, InfiniGenConfig, detach
+from infinigen import InfiniGenConfig, attach
 
 SPARSE = InfiniGenConfig(alpha=1.0, min_tokens=2, calibration_tokens=64, aggregation="union")
 
 
-class RecordingCache(InfiniGenCache):
-    """Keeps every step's selection of every speculated layer."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.record: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
-
-    def select(self, layer_idx, x, position_embeddings):
-        super().select(layer_idx, x, position_embeddings)
-        if layer_idx == self.ig_config.dense_layers:
-            self.record.append({})
-        pf = self.layers[layer_idx].prefetched
-        if pf is not None:
-            self.record[-1][layer_idx] = (pf[0].indices.clone(), pf[0].valid.clone())
+def selections_by_step(trace) -> dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """The cache's transfer records as {context length: {layer: (indices, valid)}}."""
+    out: dict[int, dict] = {}
+    for r in trace:
+        if r.selection is not None:
+            out.setdefault(r.past, {})[r.layer] = (r.selection.indices, r.selection.valid)
+    return out
 
 
 _MASKS: dict[int, torch.Tensor] = {}
@@ -81,50 +74,59 @@ def test_sparse_decode_equals_masked_dense_attention(family, config):
     """Every selecting policy attends exactly (its selection ∪ the current token)."""
     model = tiny_model(family)
     ids, mask = left_padded_batch(length=40, pad=9)
-    cache = RecordingCache(model, config, progress=False)
     steps = 6
-    got = _forced(model, ids, mask, cache, steps)
+    with attach(model, config, progress=False) as session:
+        cache = session.new_cache(trace=True)
+        got = _forced(model, ids, mask, cache, steps)
     fractions = [p["fetched_fraction"] for p in cache.summary()["per_layer"] if p["speculated"]]
     assert max(fractions) < 0.9, "selection must actually be sparse for this test to mean anything"
-    folded = cache.attachment.folded
-    detach(model)
-    assert not folded or model.config._attn_implementation != "infinigen"
+    record = selections_by_step(cache.trace)
+    assert sorted(record) == [ids.shape[1] + s for s in range(steps)]
 
-    # Replay: the same tokens through the plain model, masking attention to the recorded sets.
+    torch.testing.assert_close(got, masked_replay(model, ids, mask, record, steps), rtol=1e-4, atol=1e-4)
+
+
+def masked_replay(model, ids, mask, record, steps):
+    """The same greedy tokens through the plain model with a DynamicCache, each speculated layer's
+    attention masked to the recorded selection plus the current token."""
     model.set_attn_implementation("test_masked")
     ref_cache = DynamicCache(config=model.config)
     out = model(input_ids=ids, attention_mask=mask, past_key_values=ref_cache)
     ref = [out.logits[:, -1]]
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     m = mask
-    for step in range(steps):
-        m = torch.cat([m, torch.ones_like(nxt)], dim=1)
-        past = m.shape[1] - 1
+    try:
+        for _ in range(steps):
+            m = torch.cat([m, torch.ones_like(nxt)], dim=1)
+            past = m.shape[1] - 1
+            _MASKS.clear()
+            for layer, (idx, valid) in record[past].items():
+                hits = torch.zeros(idx.shape[0], idx.shape[1], past + 1, dtype=torch.long)
+                allowed = hits.scatter_add_(-1, idx, valid.long()) > 0  # padding slots add 0
+                allowed[..., past] = True  # the current token is always attended
+                # Padding must never have been selected.
+                assert not (allowed[..., :past] & ~m[:, None, :past].bool()).any()
+                _MASKS[layer] = allowed
+            out = model(input_ids=nxt, attention_mask=m, past_key_values=ref_cache)
+            ref.append(out.logits[:, -1])
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    finally:
         _MASKS.clear()
-        for layer, (idx, valid) in cache.record[step].items():
-            hits = torch.zeros(idx.shape[0], idx.shape[1], past + 1, dtype=torch.long)
-            allowed = hits.scatter_add_(-1, idx, valid.long()) > 0  # padding slots add 0
-            allowed[..., past] = True  # the current token is always attended
-            # Padding must never have been selected.
-            assert not (allowed[..., :past] & ~m[:, None, :past].bool()).any()
-            _MASKS[layer] = allowed
-        out = model(input_ids=nxt, attention_mask=m, past_key_values=ref_cache)
-        ref.append(out.logits[:, -1])
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    _MASKS.clear()
-    model.set_attn_implementation("sdpa")
-    torch.testing.assert_close(got, torch.stack(ref), rtol=1e-4, atol=1e-4)
+        model.set_attn_implementation("sdpa")
+    return torch.stack(ref)
 
 
 def test_current_token_is_always_attended():
+    """alpha = 0 with a floor of one: each KV head keeps its query heads' top positions only (one
+    or two with union over a group of two), and the output is exactly the masked dense attention
+    over them and the current token."""
     model = tiny_model("llama")
     ids, mask = left_padded_batch(length=30)
-    cache = InfiniGenCache(model, InfiniGenConfig(alpha=0.0, min_tokens=1, calibration_tokens=64), progress=False)
-    model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=cache, pad_token_id=0
-    )
-    for i in range(cache.ig_config.dense_layers, len(cache.layers)):
-        valid = cache.layers[i].attend_valid
-        assert valid is not None and valid[..., -1].all()
-        assert (valid.sum(-1) >= 2).all()  # floor of one past position + the current token
-    detach(model)
+    cfg = InfiniGenConfig(alpha=0.0, min_tokens=1, calibration_tokens=64)
+    with attach(model, cfg, progress=False) as session:
+        cache = session.new_cache(trace=True)
+        got = _forced(model, ids, mask, cache, 2)
+    record = selections_by_step(cache.trace)
+    counts = [v.sum(-1) for step in record.values() for _, v in step.values()]
+    assert all(int(c.min()) >= 1 and int(c.max()) <= 2 for c in counts)
+    torch.testing.assert_close(got, masked_replay(model, ids, mask, record, 2), rtol=1e-4, atol=1e-4)

@@ -5,7 +5,21 @@ import math
 import pytest
 import torch
 
-from infinigen.speculate import aggregate_group, attention_recall, partial_scores, select_positions, skew_partial
+from infinigen.speculate import aggregate_group, attention_recall, partial_scores, select_positions
+
+
+def skew_partial(x, skew, channels):
+    """Reference: skew every head (its KV head's matrix), then gather that head's channels."""
+    group = x.shape[1] // channels.shape[0]
+    if skew is not None:
+        x = torch.einsum("bhtd,hde->bhte", x, skew.repeat_interleave(group, dim=0))
+    idx = channels.repeat_interleave(group, dim=0)[None, :, None, :].expand(x.shape[0], -1, x.shape[2], -1)
+    return torch.gather(x, -1, idx)
+
+
+def per_head(valid, hkv):
+    """[B, T] token validity as the [B, Hkv, T] the selection math takes."""
+    return valid[:, None, :].expand(valid.shape[0], hkv, valid.shape[1])
 
 
 def brute_select(g_row, valid_row, alpha, budget, budget_tokens, min_tokens):
@@ -30,7 +44,7 @@ def random_case(seed, b=2, h=6, hkv=2, t=40):
     scores = torch.randn(b, h, t, generator=g) * 3
     valid = torch.ones(b, t, dtype=torch.bool)
     valid[1, :7] = False  # left padding on the second row
-    return scores, valid, hkv
+    return scores, per_head(valid, hkv), hkv
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -45,12 +59,28 @@ def test_threshold_cap_floor_match_brute_force(seed, alpha, budget, budget_token
     for b in range(g.shape[0]):
         for k in range(hkv):
             got = {int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v}
-            want = brute_select(g[b, k].tolist(), valid[b].tolist(), alpha, budget, budget_tokens, min_tokens)
+            want = brute_select(g[b, k].tolist(), valid[b, k].tolist(), alpha, budget, budget_tokens, min_tokens)
             assert got == want
             # Ascending order among valid slots, padding never selected.
             ordered = [int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v]
             assert ordered == sorted(ordered)
-            assert all(valid[b, p] for p in ordered)
+            assert all(valid[b, k, p] for p in ordered)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_positions_missing_for_one_head_only_are_never_selected(seed):
+    """A capped pool evicts per KV head: each head selects among its own positions, its
+    budget a fraction of them."""
+    scores, valid, hkv = random_case(seed)
+    valid = valid.clone()
+    gen = torch.Generator().manual_seed(seed)
+    valid &= torch.rand(valid.shape, generator=gen) > 0.3
+    g = aggregate_group(scores, valid, hkv, "union")
+    sel = select_positions(g, valid, 3.0, budget=0.25, min_tokens=2)
+    for b in range(g.shape[0]):
+        for k in range(hkv):
+            got = {int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v}
+            assert got == brute_select(g[b, k].tolist(), valid[b, k].tolist(), 3.0, 0.25, None, 2)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -62,7 +92,7 @@ def test_group_aggregations_match_definitions(seed):
         g = aggregate_group(scores, valid, hkv, how)
         sel = select_positions(g, valid, alpha)
         for b in range(scores.shape[0]):
-            pos = [p for p in range(scores.shape[2]) if valid[b, p]]
+            pos = [p for p in range(scores.shape[2]) if valid[b, 0, p]]
             for k in range(hkv):
                 heads = scores[b, k * group : (k + 1) * group]
                 if how == "max":
@@ -115,12 +145,11 @@ def test_infinite_alpha_selects_every_real_position():
     scores, valid, hkv = random_case(3)
     sel = select_positions(aggregate_group(scores, valid, hkv, "union"), valid, math.inf)
     assert sel.counts.tolist() == [[40, 40], [33, 33]]
-    assert sel.fraction() == pytest.approx(1.0)
 
 
 def test_all_padding_row_selects_nothing():
     scores = torch.randn(1, 2, 5)
-    valid = torch.zeros(1, 5, dtype=torch.bool)
+    valid = torch.zeros(1, 1, 5, dtype=torch.bool)
     sel = select_positions(aggregate_group(scores, valid, 1, "max"), valid, 4.0, min_tokens=3)
     assert sel.counts.sum() == 0
 
@@ -138,18 +167,10 @@ def test_partial_scores_equal_full_scores_with_all_channels():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_skew_partial_picks_the_right_columns():
-    x = torch.arange(2 * 4 * 3 * 6, dtype=torch.float32).reshape(2, 4, 3, 6)
-    ch = torch.tensor([[0, 5], [2, 3]])
-    out = skew_partial(x, None, ch)
-    assert torch.equal(out[:, :2], x[:, :2][..., [0, 5]])
-    assert torch.equal(out[:, 2:], x[:, 2:][..., [2, 3]])
-
-
 def test_recall_is_mass_on_selected_positions():
     probs = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])  # [B=1, H=2, T=3], one KV head
     scores = torch.log(probs)
-    valid = torch.ones(1, 3, dtype=torch.bool)
+    valid = torch.ones(1, 1, 3, dtype=torch.bool)
     sel = select_positions(aggregate_group(scores, valid, 1, "max"), valid, 0.0, min_tokens=1)
     rec = attention_recall(probs, sel)
     assert sel.counts.item() == 1 and int(sel.indices[0, 0, 0]) == 2
@@ -181,14 +202,14 @@ def test_block_selection_matches_brute_force(seed, block):
     for b in range(g.shape[0]):
         blocks = [list(range(s, min(s + block, t))) for s in range(0, t, block)]
         for k in range(hkv):
-            blk_scores = [max((g[b, k, p].item() for p in blk if valid[b, p]), default=-math.inf) for blk in blocks]
-            blk_valid = [any(valid[b, p] for p in blk) for blk in blocks]
+            blk_scores = [max((g[b, k, p].item() for p in blk if valid[b, k, p]), default=-math.inf) for blk in blocks]
+            blk_valid = [any(valid[b, k, p] for p in blk) for blk in blocks]
             if block == 1:
-                want = brute_select(g[b, k].tolist(), valid[b].tolist(), alpha, budget, budget_tokens, min_tokens)
+                want = brute_select(g[b, k].tolist(), valid[b, k].tolist(), alpha, budget, budget_tokens, min_tokens)
             else:
                 chosen = brute_select(
                     blk_scores, blk_valid, alpha, budget, max(1, budget_tokens // block), -(-min_tokens // block)
                 )
-                want = {p for i in chosen for p in blocks[i] if valid[b, p]}
+                want = {p for i in chosen for p in blocks[i] if valid[b, k, p]}
             got = {int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v}
             assert got == want

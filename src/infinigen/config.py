@@ -1,154 +1,387 @@
-"""InfiniGenConfig: every knob of the method in one validated place.
+"""One validated configuration: the only place a setting is declared.
 
-Validation happens at construction so that a bad value fails before any model work starts.
+Every field carries its help text and its rule; validation happens at construction, so a bad
+value fails before any model work starts. The CLI flags of every command, `eval --set` and the
+benchmark's settings are derived from these fields (`infinigen.cli`), never listed by hand.
+
+Each selector reads only its own knobs: `SpeculationKnobs` (InfiniGen), `H2OKnobs`,
+`StreamingKnobs`, `QuestKnobs` and `SelectionBudget` (oracle) are small dataclasses, and the
+user-facing `InfiniGenConfig` is their union plus placement and storage, so that users write
+one flat config (``InfiniGenConfig(alpha=4, budget=0.1)``) and `config.knobs(H2OKnobs)` hands a
+selector exactly its part.
+
+`POLICIES` is the one list of policy names: what each means for placement (KV with the
+compute, or offloaded to a slow tier), selection (which selector, or every row) and storage
+format (native or int4).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import asdict, dataclass, field
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-POLICIES = ("infinigen", "full", "dense", "h2o", "streaming", "int4", "quest", "oracle")
-BUDGETED = ("h2o", "streaming", "quest", "oracle")
-AGGREGATIONS = ("max", "sum", "union", "mass")
-KV_DTYPES = (None, "float32", "float16", "bfloat16")
-TIERS = ("ram", "disk", "pinned")
-EVICTIONS = ("counter", "lru", "fifo")
+import torch
+
+from infinigen.storage import check_combination
 
 
 class ConfigError(ValueError):
     """An invalid configuration value (raised before any work starts)."""
 
 
-@dataclass
-class InfiniGenConfig:
-    """Settings of InfiniGen and of the two reference policies.
+# ---------------------------------------------------------------------- policies
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a policy name means. placement: ``compute`` (the whole KV stays with the compute)
+    or ``offload`` (it lives in the slow tier); selector: the selector that chooses the rows
+    of the speculated layers, or None (every row, every step); fmt: ``native`` or ``int4``."""
 
-    policy:        ``infinigen`` (speculate and fetch the selection), ``full`` (fetch every row
-                   from the slow tier each step: the full-fetch offload baseline), ``dense``
-                   (keep the whole KV cache with the compute: the upper bound), or a baseline
-                   measured in the same harness: ``h2o``, ``streaming``, ``int4``, ``quest``,
-                   ``oracle`` (see ``infinigen.policies``).
-    alpha:         threshold in logit units: keep positions with ``s >= max(s) - alpha``;
-                   ``math.inf`` keeps everything.
-    partial_ratio: fraction r of the head dimension kept as partial channels.
-    budget:        cap on the selected positions as a fraction of the context, in (0, 1]; for
-                   h2o, streaming, quest and oracle it is the number they keep.
-    budget_tokens: optional absolute cap (positions per KV head); the smaller cap wins.
-    min_tokens:    floor on the selected positions per KV head (never more than the context).
-    dense_layers:  layers ``< dense_layers`` are not speculated and fetch everything.
-    aggregation:   how a GQA group's query-head scores become one selection per KV head:
-                   ``union`` (default), ``max``, ``sum`` or ``mass`` (the group's summed
-                   estimated attention probability, the oracle's ranking; see speculate.py).
-    skew:          use the SVD skew (``False``: identity, i.e. plain channel choice).
-    kv_dtype:      storage dtype of the slow tier (``None``: the model's dtype).
-    calibration_tokens: length of the calibration sequence (``None``: the model's context,
-                   capped at 8192) — the skew of RoPE models depends on position, so it must be
-                   calibrated over the positions that will be decoded.
-    measure_recall: also compute dense attention (outside the byte counters) to report the
-                   attention-mass recall of every selection; slow, for evaluation only.
-    tier:          the slow tier holding the full KV: ``ram`` (host memory) or ``disk`` (a file
-                   read with O_DIRECT under ``kv_dir``, default ``$INFINIGEN_KV_DIR`` or the
-                   system temporary folder).
-    io_threads:    reads in flight per disk tier.
-    host_capacity: fraction of the context each (batch, KV head) keeps in the host pool
-                   (``ram`` tier); 1.0 keeps everything. Below 1.0, eviction is lossy.
-    eviction:      victim policy when the host pool is full: ``counter`` (least often fetched),
-                   ``lru`` or ``fifo``.
-    dense_layers_on_compute: keep the KV of the ``dense_layers`` first layers with the compute
-                   (2 of 30 layers: 7% of the cache for SmolLM2) instead of re-reading all of it
-                   from the slow tier at every step; ``False`` streams them like the rest.
-    layer_alpha:   per-layer overrides of alpha, {layer: alpha}.
-    sinks:         streaming: attention-sink positions kept at the start.
-    recent_ratio:  h2o: share of the budget kept as the most recent positions.
-    page_tokens:   quest: positions per page.
-    block_tokens:  selection granularity: 1 selects positions (the published method); B > 1
-                   selects aligned blocks of B positions scored by their best position, which
-                   matches what a block device reads anyway (16 for the disk tier at d = 64, fp16).
-    """
+    placement: str
+    selector: str | None
+    fmt: str = "native"
+    default_budget: float = 1.0
+    summary: str = ""
 
-    policy: str = "infinigen"
-    alpha: float = 5.0
-    partial_ratio: float = 0.3
-    budget: float = 1.0
-    budget_tokens: int | None = None
-    min_tokens: int = 8
-    dense_layers: int = 2
-    aggregation: str = "union"
-    skew: bool = True
-    kv_dtype: str | None = None
-    calibration_tokens: int | None = None
-    measure_recall: bool = False
-    tier: str = "ram"
-    kv_dir: str | None = None
-    io_threads: int = 4
-    host_capacity: float = 1.0
-    eviction: str = "counter"
-    dense_layers_on_compute: bool = True
-    block_tokens: int = 1
-    layer_alpha: dict[int, float] = field(default_factory=dict)
-    sinks: int = 4
-    recent_ratio: float = 0.5
-    page_tokens: int = 16
-    extra: dict[str, Any] = field(default_factory=dict)
+
+POLICIES: dict[str, PolicySpec] = {
+    "infinigen": PolicySpec(
+        "offload", "infinigen", summary="speculated one layer ahead from partial keys; fetches what passes alpha"
+    ),
+    "dense": PolicySpec("compute", None, summary="the whole KV stays with the compute (quality reference)"),
+    "full": PolicySpec("offload", None, summary="every row from the slow tier each step (full-fetch offload)"),
+    "int4": PolicySpec("offload", None, "int4", summary="every row, stored group-wise 4-bit (FlexGen)"),
+    "h2o": PolicySpec("offload", "h2o", default_budget=0.1, summary="heavy hitters plus recent; evicted for good"),
+    "streaming": PolicySpec("offload", "streaming", default_budget=0.1, summary="attention sinks plus recent"),
+    "quest": PolicySpec("offload", "quest", default_budget=0.1, summary="pages ranked by a query-aware bound"),
+    "oracle": PolicySpec("offload", "oracle", default_budget=0.1, summary="true top attention mass (upper bound)"),
+}
+AGGREGATIONS = ("max", "sum", "union", "mass")
+KV_DTYPES = (None, "float32", "float16", "bfloat16")
+TIERS = ("ram", "disk", "pinned")
+EVICTIONS = ("counter", "lru", "fifo")
+ROLES = ("compute", "fetch_all", "select")
+
+
+# ---------------------------------------------------------------------- field rules
+@dataclass(frozen=True)
+class Rule:
+    """What a value must satisfy beyond its type, and how to say it."""
+
+    text: str
+    ok: Callable[[Any], bool]
+
+
+def fraction(low_open: bool = True) -> Rule:
+    if low_open:
+        return Rule("a fraction in (0, 1]", lambda v: 0 < v <= 1)
+    return Rule("a fraction in [0, 1]", lambda v: 0 <= v <= 1)
+
+
+def at_least(n: float, what: str = "") -> Rule:
+    return Rule(f">= {n:g}{what}", lambda v: v >= n)
+
+
+def one_of(choices: tuple) -> Rule:
+    return Rule(f"one of {', '.join(map(str, choices))}", lambda v: v in choices)
+
+
+def knob(default: Any, help: str, rule: Rule | None = None) -> Any:
+    """A config field: its default, its help text (CLI) and its rule (validation)."""
+    meta = {"help": help, "rule": rule}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_ALPHA = Rule(">= 0 (inf keeps everything)", lambda v: v >= 0)
+_LAYER_ALPHA = Rule(
+    "a map {layer: alpha} of integers to numbers >= 0",
+    lambda d: all(v >= 0 for v in d.values()),
+)
+
+
+@dataclass(frozen=True)
+class _Validated:
+    """Checks every field against its annotation and rule at construction."""
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if not isinstance(self.alpha, (int, float)) or math.isnan(self.alpha) or self.alpha < 0:
-            raise ConfigError(f"alpha must be a number >= 0 (math.inf keeps everything), got {self.alpha!r}")
-        if not isinstance(self.partial_ratio, (int, float)) or not 0 < self.partial_ratio <= 1:
-            raise ConfigError(f"partial_ratio must be in (0, 1], got {self.partial_ratio!r}")
-        if not isinstance(self.budget, (int, float)) or not 0 < self.budget <= 1:
-            raise ConfigError(f"budget must be a fraction of the context in (0, 1], got {self.budget!r}")
-        if self.budget_tokens is not None and (not isinstance(self.budget_tokens, int) or self.budget_tokens < 1):
-            raise ConfigError(f"budget_tokens must be a positive integer or None, got {self.budget_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 1:
-            raise ConfigError(f"min_tokens must be an integer >= 1, got {self.min_tokens!r}")
-        if not isinstance(self.dense_layers, int) or self.dense_layers < 1:
-            # Layer 0 has no previous layer to speculate from, so at least one layer is dense.
-            raise ConfigError(f"dense_layers must be an integer >= 1, got {self.dense_layers!r}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.calibration_tokens is not None and (
-            not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 16
-        ):
-            raise ConfigError(f"calibration_tokens must be an integer >= 16 or None, got {self.calibration_tokens!r}")
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not _type_ok(value, hints[f.name]):
+                raise ConfigError(f"{f.name} must be {_type_text(hints[f.name])}, got {value!r}")
+            rule = f.metadata.get("rule")
+            if rule is not None and value is not None and not rule.ok(value):
+                raise ConfigError(f"{f.name} must be {rule.text}, got {value!r}")
 
-        if not isinstance(self.block_tokens, int) or self.block_tokens < 1:
-            raise ConfigError(f"block_tokens must be an integer >= 1, got {self.block_tokens!r}")
-        if not isinstance(self.layer_alpha, dict) or any(
-            not isinstance(k, int) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0
-            for k, v in self.layer_alpha.items()
-        ):
-            raise ConfigError(f"layer_alpha must map layer indices to numbers >= 0, got {self.layer_alpha!r}")
-        if not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ConfigError(f"sinks must be an integer >= 0, got {self.sinks!r}")
-        if not isinstance(self.recent_ratio, (int, float)) or not 0 <= self.recent_ratio <= 1:
-            raise ConfigError(f"recent_ratio must be in [0, 1], got {self.recent_ratio!r}")
-        if not isinstance(self.page_tokens, int) or self.page_tokens < 1:
-            raise ConfigError(f"page_tokens must be an integer >= 1, got {self.page_tokens!r}")
-        if self.tier not in TIERS:
-            raise ConfigError(f"tier must be one of {TIERS}, got {self.tier!r}")
-        if not isinstance(self.io_threads, int) or self.io_threads < 1:
-            raise ConfigError(f"io_threads must be an integer >= 1, got {self.io_threads!r}")
-        if not isinstance(self.host_capacity, (int, float)) or not 0 < self.host_capacity <= 1:
-            raise ConfigError(f"host_capacity must be a fraction in (0, 1], got {self.host_capacity!r}")
-        if self.eviction not in EVICTIONS:
-            raise ConfigError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
-        if self.policy == "int4" and self.tier != "ram":
-            raise ConfigError("policy int4 keeps its packed KV in host RAM: use tier='ram'")
-        if self.host_capacity < 1 and self.tier != "ram":
-            raise ConfigError("host_capacity < 1 applies to the host pool: use tier='ram'")
-        if self.host_capacity < 1 and self.policy != "infinigen":
-            raise ConfigError("host_capacity < 1 needs policy='infinigen' (the pool evicts by fetch statistics)")
+
+@dataclass(frozen=True)
+class SelectionBudget(_Validated):
+    """How much a selecting policy may fetch (the oracle's only knobs)."""
+
+    budget: float | None = knob(
+        None,
+        "fraction of the context fetched per step: for infinigen a cap on what passes alpha, for "
+        "h2o/streaming/quest/oracle what they keep (default: no cap for infinigen, 0.1 for the others)",
+        fraction(),
+    )
+    budget_tokens: int | None = knob(None, "cap on the fetched positions per KV head", at_least(1))
+
+
+@dataclass(frozen=True)
+class SpeculationKnobs(SelectionBudget):
+    """InfiniGen's selector: skewed partial query of layer i from layer i-1's input against the
+    partial keys, threshold alpha, then budget and floor."""
+
+    alpha: float = knob(5.0, "keep positions whose speculated score is within alpha of the top", _ALPHA)
+    partial_ratio: float = knob(0.3, "fraction r of the head dimension kept as partial channels", fraction())
+    aggregation: str = knob(
+        "union",
+        "how a GQA group's query heads make one selection per KV head: union, max, sum or mass",
+        one_of(AGGREGATIONS),
+    )
+    skew: bool = knob(True, "apply the SVD skew before choosing channels (off: plain channel choice)")
+    calibration_tokens: int | None = knob(
+        None, "calibration length (default: the model's context, at most 8192)", at_least(16)
+    )
+    min_tokens: int = knob(8, "floor on the fetched positions per KV head", at_least(1))
+    block_tokens: int = knob(
+        1, "select aligned blocks of this many positions (16 matches a 4 KiB disk block at d = 64)", at_least(1)
+    )
+    layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA)
+
+
+@dataclass(frozen=True)
+class H2OKnobs(SelectionBudget):
+    recent_ratio: float = knob(0.5, "h2o: share of the budget kept as the most recent positions", fraction(False))
+
+
+@dataclass(frozen=True)
+class StreamingKnobs(SelectionBudget):
+    sinks: int = knob(4, "streaming: attention-sink positions kept at the start", at_least(0))
+
+
+@dataclass(frozen=True)
+class QuestKnobs(SelectionBudget):
+    page_tokens: int = knob(16, "quest: positions per page", at_least(1))
+
+
+@dataclass(frozen=True)
+class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
+    """Every setting of InfiniGen and of the baselines measured in the same harness.
+
+    The selector knobs are inherited from the dataclasses above; placement and storage follow.
+    """
+
+    policy: str = knob(
+        "infinigen", f"what decides the rows each step reads: {', '.join(POLICIES)}", one_of(tuple(POLICIES))
+    )
+    dense_layers: int = knob(2, "first layers that are not speculated and read every row", at_least(1))
+    dense_layers_on_compute: bool = knob(
+        True, "keep the dense layers' KV with the compute instead of re-reading it from the slow tier"
+    )
+    kv_dtype: str | None = knob(
+        None, "storage dtype of the KV: float32, float16 or bfloat16 (default: as computed)", one_of(KV_DTYPES)
+    )
+    tier: str = knob(
+        "ram", "slow tier holding the offloaded KV: ram, disk (O_DIRECT file) or pinned (CUDA)", one_of(TIERS)
+    )
+    kv_dir: str | None = knob(None, "folder for the disk tier's files (default $INFINIGEN_KV_DIR or the temp folder)")
+    io_threads: int = knob(4, "disk reads in flight", at_least(1))
+    host_capacity: float | None = knob(
+        None,
+        "cap the speculated layers' rows to this fraction of the generation's positions in a host pool "
+        "(lossy when below 1); default: no pool",
+        fraction(),
+    )
+    eviction: str = knob("counter", "host pool victim: counter (least fetched), lru or fifo", one_of(EVICTIONS))
+    measure_recall: bool = knob(False, "also compute dense attention to report recall (evaluation only; slow)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        spec = POLICIES[self.policy]
+        if self.host_capacity is not None and spec.selector is None:
+            raise ConfigError(f"host_capacity needs a selecting policy (policy {self.policy!r} reads every row)")
+        if spec.placement == "offload":  # storage owns which tiers hold what
+            try:
+                check_combination(self.tier, spec.fmt, pooled=self.host_capacity is not None)
+            except ValueError as exc:
+                raise ConfigError(f"policy {self.policy!r}: {exc}") from None
+
+    # ------------------------------------------------------------------ derived decisions
+    @property
+    def spec(self) -> PolicySpec:
+        return POLICIES[self.policy]
+
+    @property
+    def resolved_budget(self) -> float:
+        return self.budget if self.budget is not None else self.spec.default_budget
+
+    def layer_role(self, layer: int) -> str:
+        """``compute``: the layer's whole KV stays with the compute; ``fetch_all``: it is offloaded
+        and every row is read each step; ``select``: offloaded, the selector's rows are read."""
+        spec = self.spec
+        if spec.placement == "compute":
+            return "compute"
+        if spec.selector is None:
+            return "fetch_all"
+        if layer >= self.dense_layers:
+            return "select"
+        return "compute" if self.dense_layers_on_compute else "fetch_all"
+
+    def storage_dtype(self) -> torch.dtype | None:
+        """The dtype the offloaded KV is stored in (None: the dtype it is computed in)."""
+        return None if self.kv_dtype is None else getattr(torch, self.kv_dtype)
+
+    def skew_key(self) -> tuple[float, bool, int | None]:
+        """What the skew artifact depends on: a session reuses one artifact for configs that share it."""
+        return (round(self.partial_ratio, 6), self.skew, self.calibration_tokens)
+
+    def knobs(self, cls: type) -> Any:
+        """This config's part that `cls` (a knob dataclass) declares, budget resolved."""
+        values = {f.name: getattr(self, f.name) for f in fields(cls)}
+        if "budget" in values:
+            values["budget"] = self.resolved_budget
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> InfiniGenConfig:
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        if math.isinf(out["alpha"]):
-            out["alpha"] = "inf"
+        """JSON-safe: infinite alphas as "inf", layer keys as strings (`from_dict` reverses it)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["alpha"] = "inf" if math.isinf(self.alpha) else self.alpha
         out["layer_alpha"] = {str(k): ("inf" if math.isinf(v) else v) for k, v in self.layer_alpha.items()}
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> InfiniGenConfig:
+        data = dict(data)
+        if "alpha" in data:
+            data["alpha"] = float(data["alpha"])
+        if "layer_alpha" in data:
+            data["layer_alpha"] = {int(k): float(v) for k, v in data["layer_alpha"].items()}
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown settings {sorted(unknown)}; known: {', '.join(f.name for f in fields(cls))}")
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------- types and text
+def setting_fields() -> dict[str, dataclasses.Field]:
+    """Every setting, by name, in declaration order (what the CLI derives its flags from)."""
+    return {f.name: f for f in fields(InfiniGenConfig)}
+
+
+def setting_type(name: str) -> Any:
+    return typing.get_type_hints(InfiniGenConfig)[name]
+
+
+def _optional_inner(hint: Any) -> tuple[Any, bool]:
+    args = typing.get_args(hint)
+    if type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return hint, False
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    inner, optional = _optional_inner(hint)
+    if value is None:
+        return optional
+    if inner is bool:
+        return isinstance(value, bool)
+    if inner is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if inner is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if inner is str:
+        return isinstance(value, str)
+    if typing.get_origin(inner) is dict:
+        return isinstance(value, dict) and all(_type_ok(k, int) and _type_ok(v, float) for k, v in value.items())
+    return True
+
+
+def _type_text(hint: Any) -> str:
+    inner, optional = _optional_inner(hint)
+    text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        inner, "a map of integers to numbers"
+    )
+    return text + (" or None" if optional else "")
+
+
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+def parse_setting(name: str, text: str) -> Any:
+    """A setting's value from text (a CLI flag, `--set KEY=VALUE`); ConfigError names the
+    setting, what it takes, and the valid keys for an unknown one."""
+    known = setting_fields()
+    if name not in known:
+        raise ConfigError(f"unknown setting {name!r}; known: {', '.join(known)}")
+    inner, optional = _optional_inner(setting_type(name))
+    text = text.strip()
+    if optional and text.lower() in ("none", "null", "default"):
+        return None
+    try:
+        if inner is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError(text)
+            return text.lower() in _TRUE
+        if inner is int:
+            return int(text)
+        if inner is float:
+            return float(text)
+        if typing.get_origin(inner) is dict:
+            out = {}
+            for item in filter(None, (p.strip() for p in text.split(","))):
+                key, _, value = item.partition(":")
+                out[int(key)] = float(value)
+            return out
+    except ValueError:
+        raise ConfigError(f"{name} takes {_type_text(setting_type(name))}, got {text!r}") from None
+    return text
+
+
+# ---------------------------------------------------------------------- command-line flags
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{v:g}" for k, v in value.items()) or "none"
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def add_arguments(parser, defaults: dict[str, Any] | None = None, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per setting (``--name-with-dashes``; booleans also ``--no-...``), with the
+    field's help and rule; `defaults` are a command's own defaults. Only the flags given end up
+    in the parsed namespace, so `from_arguments` knows what the user set."""
+    import argparse
+
+    defaults = defaults or {}
+    group = parser.add_argument_group("settings (InfiniGenConfig; 'none' restores an optional default)")
+    for name, f in setting_fields().items():
+        if name in skip:
+            continue
+        default = defaults.get(name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        text = f"{f.metadata['help']} (default: {_shown(default)})"
+        flag = "--" + name.replace("_", "-")
+        if setting_type(name) is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        else:
+
+            def parse(value: str, name=name):
+                try:
+                    return parse_setting(name, value)
+                except ConfigError as exc:
+                    raise argparse.ArgumentTypeError(str(exc)) from None
+
+            group.add_argument(flag, type=parse, default=argparse.SUPPRESS, metavar="X", help=text)
+
+
+def from_arguments(args, defaults: dict[str, Any] | None = None, **fixed: Any) -> InfiniGenConfig:
+    """The config of parsed flags: `fixed` over the flags given over the command's `defaults`."""
+    given = {name: getattr(args, name) for name in setting_fields() if hasattr(args, name)}
+    return InfiniGenConfig(**{**(defaults or {}), **given, **fixed})

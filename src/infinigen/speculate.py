@@ -1,7 +1,9 @@
 """Pure tensor math of speculation and selection (no model code).
 
 Shapes: B batch, H query heads, Hkv KV heads (H = Hkv * G for a GQA group of size G),
-T cached positions, c partial channels.
+T cached positions, c partial channels. `valid` [B, Hkv, T] marks the positions of a layer that
+exist for each KV head: real tokens (not left padding) still stored (not evicted by a capped
+host pool). A budget is a fraction of a row's valid positions.
 """
 
 from __future__ import annotations
@@ -18,38 +20,14 @@ class Selection:
 
     indices: [B, Hkv, n] positions, ascending among the valid slots (padding slots hold 0).
     valid:   [B, Hkv, n] True where the slot is a real selection.
-    context: number of non-padding cached positions per batch row, [B].
     """
 
     indices: torch.Tensor
     valid: torch.Tensor
-    context: torch.Tensor
 
     @property
     def counts(self) -> torch.Tensor:
         return self.valid.sum(-1)
-
-    def fraction(self) -> float:
-        """Mean over (batch, KV head) rows of selected / context."""
-        ctx = self.context.clamp(min=1).to(torch.float32)[:, None]
-        return (self.counts.to(torch.float32) / ctx).mean().item()
-
-
-def skew_partial(x: torch.Tensor, skew: torch.Tensor | None, channels: torch.Tensor) -> torch.Tensor:
-    """Project per-head vectors onto the skewed partial channels.
-
-    x: [B, Hx, T, d] queries or keys; skew: [Hkv, d, d] or None (identity);
-    channels: [Hkv, c]. Query heads are mapped to their KV head (Hx = Hkv * G).
-    Returns [B, Hx, T, c].
-    """
-    hkv = channels.shape[0]
-    group = x.shape[1] // hkv
-    if skew is not None:
-        a = skew.to(x.dtype).repeat_interleave(group, dim=0)  # [Hx, d, d]
-        x = torch.einsum("bhtd,hde->bhte", x, a)
-    idx = channels.repeat_interleave(group, dim=0)  # [Hx, c]
-    idx = idx[None, :, None, :].expand(x.shape[0], -1, x.shape[2], -1)
-    return torch.gather(x, -1, idx)
 
 
 def partial_projection(skew: torch.Tensor | None, channels: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -88,7 +66,7 @@ def partial_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scaling: fl
 def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
     """Turn a GQA group's query-head scores into one score per KV head.
 
-    scores: [B, H, T]; valid: [B, T] (False for padding). Returns [B, Hkv, T], -inf at padding.
+    scores: [B, H, T]; valid: [B, Hkv, T]. Returns [B, Hkv, T], -inf where not valid.
     The threshold rule ``g >= max(g) - alpha`` on the result implements:
       max:   a position is kept if the group's largest score is within alpha of the group's top;
       sum:   the same on the sum of the group's scores (a wider spread: fewer positions pass);
@@ -100,8 +78,7 @@ def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int
     """
     b, h, t = scores.shape
     s = scores.to(torch.float32).reshape(b, num_kv_heads, h // num_kv_heads, t)
-    pad = ~valid[:, None, None, :]
-    s = s.masked_fill(pad, -math.inf)
+    s = s.masked_fill(~valid[:, :, None, :], -math.inf)
     if how == "max":
         g = s.amax(2)
     elif how == "sum":
@@ -114,7 +91,7 @@ def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int
         g = torch.logsumexp(torch.log_softmax(s, -1), 2)
     else:
         raise ValueError(f"unknown aggregation {how!r}; use max, sum, union or mass")
-    return g.masked_fill(~valid[:, None, :], -math.inf)
+    return g.masked_fill(~valid, -math.inf)
 
 
 def select_positions(
@@ -124,30 +101,22 @@ def select_positions(
     budget: float = 1.0,
     budget_tokens: int | None = None,
     min_tokens: int = 1,
-    available: torch.Tensor | None = None,
 ) -> Selection:
     """Threshold, cap and floor, per (batch, KV head).
 
-    group_scores: [B, Hkv, T] (-inf at padding); valid: [B, T].
+    group_scores: [B, Hkv, T] (-inf where not valid); valid: [B, Hkv, T].
     Keeps the positions with ``g >= max(g) - alpha``; caps the count at
-    ``min(ceil(budget * context), budget_tokens)``; raises it to ``min_tokens`` (never past the
-    context). Padding positions are never selected. ``available`` [B, Hkv, T] (optional) marks
-    the positions that can be fetched at all (a capped host pool evicts some); the context —
-    and so the fraction — still counts every real position.
+    ``min(ceil(budget * context), budget_tokens)``, the context being the row's valid
+    positions; raises it to ``min_tokens`` (never past the context). Positions that are not
+    valid are never selected.
     """
-    if available is not None:
-        group_scores = group_scores.masked_fill(~available, -math.inf)
     b, hkv, t = group_scores.shape
-    context = valid.sum(-1)  # [B]
-    ctx = context[:, None].expand(b, hkv)
     if t == 0:
         empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
-        return Selection(empty, empty.bool(), context)
-    eligible = valid[:, None, :].expand(b, hkv, t)
-    if available is not None:
-        eligible = eligible & available
+        return Selection(empty, empty.bool())
+    ctx = valid.sum(-1)  # [B, Hkv]
     top = group_scores.amax(-1, keepdim=True)
-    keep = (group_scores >= (top - alpha)) & eligible
+    keep = (group_scores >= (top - alpha)) & valid
     kept = keep.sum(-1)
     count = kept
     cap = torch.ceil(ctx.to(torch.float64) * budget).to(torch.long)
@@ -156,25 +125,23 @@ def select_positions(
     count = torch.minimum(count, cap)
     count = torch.maximum(count, torch.clamp(ctx, max=min_tokens))
     count = torch.minimum(count, ctx)
-    if available is not None:
-        count = torch.minimum(count, (available & valid[:, None, :]).sum(-1))
     n = int(count.max().item()) if count.numel() else 0
     if n == 0:
         empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
-        return Selection(empty, empty.bool(), context)
+        return Selection(empty, empty.bool())
     adjust = count != kept  # the cap or the floor moved these rows off the threshold
     if bool(adjust.any()):
         # Rows whose count changed keep their top-`count` scores: threshold at the count-th best.
         k = int(count[adjust].max().item())
-        best = torch.topk(group_scores.masked_fill(~eligible, -math.inf), k, dim=-1, sorted=True).values
+        best = torch.topk(group_scores.masked_fill(~valid, -math.inf), k, dim=-1, sorted=True).values
         kth = best.gather(-1, (count - 1).clamp(min=0, max=k - 1)[..., None])  # used where adjust only
-        keep = torch.where(adjust[..., None], (group_scores >= kth) & eligible, keep)
+        keep = torch.where(adjust[..., None], (group_scores >= kth) & valid, keep)
     rank = keep.long().cumsum(-1) - 1
     keep &= rank < count[..., None]  # exact ties at the cut never push a row past its count
-    return selection_from_mask(keep, context)
+    return selection_from_mask(keep)
 
 
-def selection_from_mask(keep: torch.Tensor, context: torch.Tensor) -> Selection:
+def selection_from_mask(keep: torch.Tensor) -> Selection:
     """A boolean mask [B, Hkv, T] of chosen positions as a Selection (ascending indices,
     padded to the largest row), without sorting: each kept position goes to its rank."""
     b, hkv, t = keep.shape
@@ -186,12 +153,12 @@ def selection_from_mask(keep: torch.Tensor, context: torch.Tensor) -> Selection:
     out.scatter_(-1, target, torch.arange(t, device=keep.device).expand(b, hkv, t))
     slot_valid = torch.arange(n, device=out.device)[None, None, :] < counts[..., None]
     indices = torch.where(slot_valid, out[..., :n], torch.zeros_like(out[..., :n]))
-    return Selection(indices, slot_valid, context)
+    return Selection(indices, slot_valid)
 
 
 def budget_counts(context: torch.Tensor, budget: float, budget_tokens: int | None = None) -> torch.Tensor:
-    """Positions a budgeted policy keeps per batch row: ceil(budget * context), capped by
-    `budget_tokens`, at least 1 and never more than the context. context: [B] -> [B]."""
+    """Positions a budgeted policy keeps per row: ceil(budget * context), capped by
+    `budget_tokens`, at least 1 and never more than the context (elementwise, any shape)."""
     k = torch.ceil(context.to(torch.float64) * budget).to(torch.long)
     if budget_tokens is not None:
         k = k.clamp(max=budget_tokens)
@@ -215,47 +182,41 @@ def select_blocks(
     budget: float = 1.0,
     budget_tokens: int | None = None,
     min_tokens: int = 1,
-    available: torch.Tensor | None = None,
 ) -> Selection:
     """The same rule applied to aligned blocks of `block` positions (a block scores its best
-    position); every real position of a chosen block is selected.
+    position); every valid position of a chosen block is selected.
 
     A slow tier reads whole blocks anyway (a 4 KiB disk block holds 16 positions of one head in
     fp16 at d = 64), so choosing blocks turns read amplification into attended positions.
-    Budget and floor are converted to blocks; padding positions are never selected.
+    Budget and floor are converted to blocks; positions that are not valid are never selected.
     """
     if block <= 1:
-        return select_positions(group_scores, valid, alpha, budget, budget_tokens, min_tokens, available)
+        return select_positions(group_scores, valid, alpha, budget, budget_tokens, min_tokens)
     b, hkv, t = group_scores.shape
     nb = -(-t // block)
     pad = nb * block - t
-    g = group_scores
-    ok = valid[:, None, :].expand(b, hkv, t)
-    if available is not None:
-        ok = ok & available
-    g = g.masked_fill(~ok, -math.inf)
+    g = group_scores.masked_fill(~valid, -math.inf)
+    ok = valid
     if pad:
         g = torch.nn.functional.pad(g, (0, pad), value=-math.inf)
         ok = torch.nn.functional.pad(ok, (0, pad), value=False)
-    blk_scores = g.view(b, hkv, nb, block).amax(-1)
-    blk_ok = ok.view(b, hkv, nb, block).any(-1)
-    blk_valid = blk_ok.any(1)  # [B, nb]: blocks holding any real position
+    blk_scores = g.reshape(b, hkv, nb, block).amax(-1)
+    blk_ok = ok.reshape(b, hkv, nb, block).any(-1)  # [B, Hkv, nb]: blocks holding a valid position
     blk_sel = select_positions(
         blk_scores,
-        blk_valid,
+        blk_ok,
         alpha,
         budget,
         None if budget_tokens is None else max(1, budget_tokens // block),
         max(1, -(-min_tokens // block)),
-        available=blk_ok,
     )
     offs = torch.arange(block, device=g.device)
     idx = (blk_sel.indices[..., None] * block + offs).flatten(-2)  # [B, Hkv, n * block]
     keep = blk_sel.valid[..., None].expand(*blk_sel.valid.shape, block).flatten(-2)
     keep = keep & (idx < t)
     idx = idx.clamp(max=max(t - 1, 0))
-    keep = keep & torch.gather(ok, -1, idx)
-    return Selection(torch.where(keep, idx, torch.zeros_like(idx)), keep, valid.sum(-1))
+    keep = keep & torch.gather(valid, -1, idx)
+    return Selection(torch.where(keep, idx, torch.zeros_like(idx)), keep)
 
 
 def attention_recall(true_probs: torch.Tensor, selection: Selection) -> torch.Tensor:
@@ -272,3 +233,48 @@ def attention_recall(true_probs: torch.Tensor, selection: Selection) -> torch.Te
     chosen = chosen.clamp(max=1).repeat_interleave(h // hkv, dim=1)
     total = true_probs.sum(-1).clamp(min=1e-30)
     return (true_probs * chosen).sum(-1) / total
+
+
+def group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, ...] summed over each GQA group -> [B, Hkv, ...]."""
+    b, h = x.shape[:2]
+    return x.reshape(b, kv_heads, h // kv_heads, *x.shape[2:]).sum(2)
+
+
+def attention_column_sums(
+    query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor, scaling: float, chunk: int = 256
+) -> torch.Tensor:
+    """Causal attention weights of a prefill, summed over its real queries and each GQA
+    group's heads: query [B, H, Q, d] (the last Q of the K positions), key [B, Hkv, K, d],
+    valid [B, K] -> [B, Hkv, K]. Chunked over queries to bound memory."""
+    b, h, q_len, _ = query.shape
+    hkv, k_len = key.shape[1], key.shape[2]
+    offset = k_len - q_len
+    k = key.to(torch.float32).repeat_interleave(h // hkv, dim=1)
+    out = torch.zeros(b, hkv, k_len, dtype=torch.float32, device=query.device)
+    cols = torch.arange(k_len, device=query.device)
+    for r0 in range(0, q_len, chunk):
+        r1 = min(q_len, r0 + chunk)
+        rows = torch.arange(offset + r0, offset + r1, device=query.device)
+        s = torch.matmul(query[:, :, r0:r1].to(torch.float32), k.transpose(-1, -2)) * scaling
+        allowed = (cols[None, :] <= rows[:, None])[None, None] & valid[:, None, None, :]
+        probs = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
+        real_rows = valid[:, offset + r0 : offset + r1][:, None, :, None]
+        probs = torch.where(real_rows & allowed.any(-1, keepdim=True), probs, torch.zeros_like(probs))
+        out += group_sum(probs.sum(2), hkv)
+    return out
+
+
+class PrefillAttention:
+    """The attention of a prefill, computed only if a selector asks for it (H2O accumulates its
+    column sums; the others never pay for them)."""
+
+    def __init__(self, query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor, scaling: float) -> None:
+        self._args = (query, key, valid, scaling)
+        self._sums: torch.Tensor | None = None
+
+    def column_sums(self) -> torch.Tensor:
+        """[B, Hkv, K]: the prefill's attention weights summed over its real queries and each group."""
+        if self._sums is None:
+            self._sums = attention_column_sums(*self._args)
+        return self._sums

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
@@ -22,7 +20,12 @@ from pathlib import Path
 
 import torch
 
+from infinigen.config import InfiniGenConfig, add_arguments, from_arguments
+from infinigen.provenance import commit, machine
+
 DEFAULT_POLICIES = ("dense", "full", "infinigen")
+# The benchmark's own defaults: the KV on disk, stored in 16 bits.
+BENCH_DEFAULTS = {"tier": "disk", "kv_dtype": "float16"}
 
 
 # ---------------------------------------------------------------------- prefill (parent)
@@ -65,69 +68,57 @@ def _peak_rss() -> int:
 def run_child(args: argparse.Namespace) -> dict:
     from safetensors import safe_open
 
-    from infinigen.cache import InfiniGenCache
-    from infinigen.config import InfiniGenConfig
+    from infinigen.attach import attach
     from infinigen.loading import load_model
 
     torch.set_num_threads(args.threads) if args.threads else None
+    cfg = InfiniGenConfig.from_dict(json.loads(args.config_json))
     model, tok = load_model(args.model, progress=False)
     rss_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    from infinigen.config import BUDGETED
-
-    cfg = InfiniGenConfig(
-        policy=args.policy,
-        tier="ram" if args.policy == "int4" else args.tier,  # int4 keeps its packed KV in RAM
-        budget=args.budget if args.policy in BUDGETED else 1.0,
-        kv_dir=args.kv_dir,
-        kv_dtype=args.kv_dtype,
-        alpha=args.alpha,
-        partial_ratio=args.partial_ratio,
-        io_threads=args.io_threads,
-        block_tokens=args.block_tokens,
-    )
-    cache = InfiniGenCache(model, cfg, tokenizer=tok, progress=False)
     b = args.batch
-    with safe_open(args.kv_file, framework="pt") as f:
-        nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous()
-        n_layers = len(cache.layers)
-        # Stream the saved prefill into the cache layer by layer, as a prefill would.
-        for i in range(n_layers):
-            k = f.get_tensor(f"layer.{i}.k").to(torch.float32).expand(b, -1, -1, -1).contiguous()
-            v = f.get_tensor(f"layer.{i}.v").to(torch.float32).expand(b, -1, -1, -1).contiguous()
-            cache.update(k, v, i)
-            del k, v
-    context = cache.get_seq_length()
-    cache.key_valid = torch.ones(b, context, dtype=torch.bool)
-    # Peak RSS of the decode phase itself: reset the high-water mark after the replay (which
-    # maps the saved prefill file) so that only what the policy keeps while decoding counts.
-    gc.collect()
-    _reset_peak_rss()
-    cache.transfer.reset()
-    cache.speculation_seconds = cache.wait_seconds = 0.0
-    step_times = []
-    tokens = nxt
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        out = model(input_ids=tokens, past_key_values=cache, use_cache=True)
-        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
-        step_times.append(time.perf_counter() - t0)
-    s = cache.summary()
+    with attach(model, cfg, tokenizer=tok, progress=False) as session:
+        cache = session.new_cache()
+        adapter = session.adapter
+        with safe_open(args.kv_file, framework="pt") as f:
+            nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous()
+            # Stream the saved prefill into the cache layer by layer, as a prefill would.
+            for i in range(adapter.num_layers):
+                k = f.get_tensor(f"layer.{i}.k").to(torch.float32).expand(b, -1, -1, -1).contiguous()
+                v = f.get_tensor(f"layer.{i}.v").to(torch.float32).expand(b, -1, -1, -1).contiguous()
+                cache.update(k, v, i)
+                del k, v
+        context = cache.get_seq_length()
+        # Peak RSS of the decode phase itself: reset the high-water mark after the replay (which
+        # maps the saved prefill file) so that only what the policy keeps while decoding counts.
+        gc.collect()
+        _reset_peak_rss()
+        cache.storage.stats.reset()
+        cache.counters.speculation_seconds = cache.counters.wait_seconds = 0.0
+        step_times = []
+        tokens = nxt
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            out = model(input_ids=tokens, past_key_values=cache, use_cache=True)
+            tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+            step_times.append(time.perf_counter() - t0)
+        s = cache.summary()
+        peak = _peak_rss()
+        cache.close()
     warm = step_times[1:] if len(step_times) > 1 else step_times  # the first step warms caches
     decode = sum(warm)
-    peak = _peak_rss()
-    cache.close()
     steps = len(step_times)
-    kv_bytes = sum(2 * b * model.config.num_key_value_heads * context * cache.adapter.head_dim for _ in cache.layers)
-    kv_bytes *= torch.empty((), dtype=getattr(torch, args.kv_dtype)).element_size()
+    itemsize = torch.empty((), dtype=cfg.storage_dtype() or torch.float32).element_size()
+    kv_bytes = adapter.num_layers * 2 * b * adapter.num_kv_heads * context * adapter.head_dim * itemsize
+    dense = cfg.spec.placement == "compute"
     return {
-        "policy": args.policy,
+        "policy": cfg.policy,
         "context": context,
         "batch": b,
         "steps": steps,
         "tokens_per_s": len(warm) * b / decode if decode > 0 else float("nan"),
         "step_ms_median": 1000 * sorted(warm)[len(warm) // 2],
-        "bytes_read_per_token": s["bytes_fetched"] / (steps * b) if args.policy != "dense" else 0.0,
-        "read_amplification": s["read_amplification"] if args.policy != "dense" else None,
+        "bytes_read_per_token": s["bytes_fetched"] / (steps * b) if not dense else 0.0,
+        "read_amplification": s["read_amplification"] if not dense else None,
         "fetched_fraction": s["fetched_fraction"],
         "speculation_pct": 100 * s["speculation_seconds"] / sum(step_times) if step_times else 0.0,
         "wait_ms_per_step": 1000 * s["wait_seconds"] / steps,
@@ -135,7 +126,8 @@ def run_child(args: argparse.Namespace) -> dict:
         "peak_rss_bytes": peak,
         "rss_after_model_bytes": rss_model,
         "kv_cache_bytes": kv_bytes,
-        "tier": cfg.tier if args.policy != "dense" else "compute",
+        "tier": cfg.tier if not dense else "compute",
+        "config": cfg.to_dict(),
     }
 
 
@@ -147,28 +139,6 @@ def _prompt_ids(tok, context: int) -> torch.Tensor:
     if ids.numel() < context:
         ids = ids.repeat(context // ids.numel() + 1)
     return ids[:context][None]
-
-
-def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[3]
-        return subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
-def _machine() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
-    info["cpus"] = os.cpu_count()
-    try:
-        model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
-        info["cpu"] = model.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        pass
-    info["cuda"] = torch.cuda.is_available()
-    return info
 
 
 def _fmt_table(rows: list[dict]) -> str:
@@ -214,19 +184,38 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def policy_configs(args: argparse.Namespace, policies: list[str]) -> list[InfiniGenConfig]:
+    """One config per policy from the flags. A policy whose storage format the chosen tier
+    cannot hold (int4 keeps its packed KV in host RAM) runs on the RAM tier, and its row says so."""
+    from infinigen.config import POLICIES
+    from infinigen.storage import check_combination
+
+    base = from_arguments(args, BENCH_DEFAULTS, policy="infinigen")
+    out = []
+    for p in policies:
+        tier = base.tier
+        try:
+            check_combination(tier, POLICIES[p].fmt)
+        except ValueError:
+            tier = "ram"
+        out.append(base.replace(policy=p, tier=tier))
+    return out
+
+
 def run_parent(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    from infinigen.attach import attach
+    from infinigen.config import POLICIES
     from infinigen.loading import load_model
 
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     policies = args.policies.split(",")
-    from infinigen.config import POLICIES
-
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; available: {', '.join(POLICIES)}")
+    configs = policy_configs(args, policies)  # invalid settings fail here, before any model work
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(args.model, progress=True)
@@ -234,38 +223,30 @@ def run_parent(args: argparse.Namespace) -> int:
     too_long = [c for c in contexts if c + args.steps + 1 > limit]
     if too_long:
         raise SystemExit(f"contexts {too_long} + {args.steps} steps exceed the model's {limit} positions")
-    if "infinigen" in policies:  # calibrate once, here, so no child pays for it
-        from infinigen.cache import InfiniGenCache
-        from infinigen.config import InfiniGenConfig
-
-        InfiniGenCache(model, InfiniGenConfig(partial_ratio=args.partial_ratio), tokenizer=tok)
-        from infinigen.attachment import detach
-
-        detach(model)
+    for cfg in configs:
+        if cfg.spec.selector == "infinigen":  # calibrate once, here, so that no child pays for it
+            with attach(model, cfg, tokenizer=tok):
+                pass
     rows: list[dict] = []
-    todo = [(c, p, b) for c in contexts for b in batches for p in policies]
+    todo = [(c, cfg, b) for c in contexts for b in batches for cfg in configs]
     bar = tqdm(total=len(todo), desc="bench decode", unit="config")
-    kv_dtype = getattr(torch, args.kv_dtype)
+    kv_dtype = configs[0].storage_dtype() or torch.float32
     with tempfile.TemporaryDirectory(prefix="infinigen-bench-") as tmp:
         for c in contexts:
             kv_file = Path(tmp) / f"prefill-{c}.safetensors"
             bar.set_postfix_str(f"prefill {c}")
             save_prefill(model, _prompt_ids(tok, c), kv_file, kv_dtype)
             for b in batches:
-                for p in policies:
+                for cfg in configs:
+                    p = cfg.policy
                     bar.set_postfix_str(f"{p} ctx={c} B={b}")
                     cmd = [
                         sys.executable, "-m", "infinigen.bench.decode", "--child",
-                        "--kv-file", str(kv_file), "--policy", p, "--batch", str(b),
-                        "--steps", str(args.steps), "--tier", args.tier, "--kv-dtype", args.kv_dtype,
-                        "--alpha", str(args.alpha), "--partial-ratio", str(args.partial_ratio),
-                        "--io-threads", str(args.io_threads), "--threads", str(args.threads),
-                        "--block-tokens", str(args.block_tokens), "--budget", str(args.budget),
+                        "--kv-file", str(kv_file), "--config-json", json.dumps(cfg.to_dict()), "--batch", str(b),
+                        "--steps", str(args.steps), "--threads", str(args.threads),
                     ]  # fmt: skip
                     if args.model:
                         cmd += ["--model", args.model]
-                    if args.kv_dir:
-                        cmd += ["--kv-dir", args.kv_dir]
                     proc = subprocess.run(cmd, capture_output=True, text=True)
                     if proc.returncode != 0:
                         bar.close()
@@ -288,19 +269,22 @@ def run_parent(args: argparse.Namespace) -> int:
             r["rss_saving_vs_dense_bytes"] = same["dense"]["peak_rss_bytes"] - r["peak_rss_bytes"]
     table = _fmt_table(rows)
     note = (
-        f"tier={args.tier} (KV stored as {args.kv_dtype}; compute fp32 on CPU), {args.steps} decode steps after "
-        "prefill, tok/s over steps 2..N; bytes include read amplification; 'wait ms' = time the compute "
+        f"tier={configs[0].tier} (KV stored as {configs[0].kv_dtype}; compute fp32 on CPU), {args.steps} decode steps "
+        "after prefill, tok/s over steps 2..N; bytes include read amplification; 'wait ms' = time the compute "
         "waited on transfers per step. Measured on this machine, not modelled."
     )
     print(table)
     print(note)
     meta = {
-        "commit": _commit(),
-        "machine": _machine(),
+        "commit": commit(),
+        "machine": machine(),
         "settings": {
-            k: v
-            for k, v in vars(args).items()
-            if k not in {"child", "kv_file", "policy", "batch"} and isinstance(v, (str, int, float, bool, type(None)))
+            "contexts": contexts,
+            "batches": batches,
+            "policies": policies,
+            "steps": args.steps,
+            "threads": args.threads,
+            "configs": [cfg.to_dict() for cfg in configs],
         },
         "note": note,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -322,22 +306,13 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
         default=",".join(DEFAULT_POLICIES),
         help="comma list: dense, full, infinigen, h2o, streaming, int4 (RAM tier), quest, oracle",
     )
-    ap.add_argument(
-        "--budget", type=float, default=0.1, help="fraction kept by h2o, streaming, quest and oracle (default 0.1)"
-    )
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--tier", default="disk", choices=["ram", "disk"])
-    ap.add_argument("--kv-dir", default=None, help="folder for the disk tier's files")
-    ap.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    ap.add_argument("--alpha", type=float, default=5.0)
-    ap.add_argument("--partial-ratio", type=float, default=0.3)
-    ap.add_argument("--io-threads", type=int, default=4)
-    ap.add_argument("--block-tokens", type=int, default=1, help="InfiniGen selection granularity (1: per position)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="results/bench")
+    add_arguments(ap, BENCH_DEFAULTS, skip=("policy",))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kv-file", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--policy", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     return ap
 

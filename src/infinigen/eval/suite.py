@@ -12,7 +12,7 @@ Suites (each row of the output is one policy at one budget on one input):
 Retrieval is scored exactly as greedy decoding would score it, by teacher forcing: greedy
 emits the answer iff the argmax after the prompt and each answer prefix is the next answer
 token. The first answer token comes from the (dense) prefill, as in generation.
-Everything runs through `ForcedEvaluator`, which `tests/test_forced.py` proves equal to the
+Everything runs through `Evaluator`, which `tests/test_forced.py` proves equal to the
 step-by-step decode path.
 """
 
@@ -27,17 +27,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from infinigen.config import BUDGETED, InfiniGenConfig
-from infinigen.eval.forced import ForcedEvaluator, ForcedResult
+from infinigen.config import POLICIES, InfiniGenConfig
+from infinigen.eval.evaluator import Evaluator, ForcedResult
+from infinigen.eval.metrics import kl_divergence, top1_agreement
 from infinigen.eval.report import DEFAULT_VARIANT
-from infinigen.eval.teacher_forced import kl_divergence, top1_agreement
-
-ALL_POLICIES = ("dense", "full", "int4", "infinigen", "h2o", "streaming", "quest", "oracle")
+from infinigen.storage import row_bytes
 
 
 @dataclass
 class EvalSettings:
-    policies: tuple[str, ...] = ALL_POLICIES
+    policies: tuple[str, ...] = tuple(POLICIES)
     budgets: tuple[float, ...] = (0.05, 0.1, 0.2)
     datasets: tuple[str, ...] = ("essays", "squad")
     contexts: tuple[int, ...] = (2048, 4096)
@@ -60,30 +59,30 @@ def policy_configs(settings: EvalSettings) -> list[tuple[str, float | None, Infi
     threshold, which sets its own fraction, is studied in the sensitivity suite)."""
     out = []
     for p in settings.policies:
-        common = dict(settings.base, policy=p, kv_dtype=None if p == "dense" else settings.kv_dtype)
-        if p in ("dense", "full", "int4"):
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}")
+        common = dict(settings.base, policy=p, kv_dtype=settings.kv_dtype)
+        if POLICIES[p].selector is None:
             out.append((p, None, InfiniGenConfig(**common)))
         elif p == "infinigen":
             for b in settings.budgets:
                 out.append((p, b, InfiniGenConfig(alpha=math.inf, budget=b, **common)))
-        elif p in BUDGETED:
+        else:
             for b in settings.budgets:
                 out.append((p, b, InfiniGenConfig(budget=b, **common)))
-        else:
-            raise ValueError(f"unknown policy {p!r}")
     return out
 
 
-def full_fetch_bytes_per_token(model_adapter, context: int, kv_dtype: str) -> float:
+def full_fetch_bytes_per_token(model_adapter, context: float, kv_dtype: str) -> float:
     """What fetching every layer's whole KV costs per token at a mean `context` (the bytes axis)."""
-    itemsize = torch.empty((), dtype=getattr(torch, kv_dtype)).element_size()
-    return model_adapter.num_layers * model_adapter.num_kv_heads * context * 2 * model_adapter.head_dim * itemsize
+    per_row = row_bytes("native", model_adapter.head_dim, InfiniGenConfig(kv_dtype=kv_dtype).storage_dtype())
+    return model_adapter.num_layers * model_adapter.num_kv_heads * context * per_row
 
 
 def _row(result: ForcedResult, ref: torch.Tensor | None, targets: torch.Tensor | None, full_bytes: float) -> dict:
     logits = result.logits[0]
     row: dict[str, Any] = {
-        "fetched_fraction": result.fetched_fraction if result.policy not in ("full", "int4") else 1.0,
+        "fetched_fraction": result.fetched_fraction if POLICIES[result.policy].selector is not None else 1.0,
         "bytes_per_token": result.bytes_per_token(),
         "bytes_fraction": result.bytes_per_token() / full_bytes if full_bytes else None,
         "recall": result.recall,
@@ -91,7 +90,7 @@ def _row(result: ForcedResult, ref: torch.Tensor | None, targets: torch.Tensor |
         "per_layer_recall": {str(k): v for k, v in result.per_layer_recall.items()},
         "per_head_recall": {str(k): v for k, v in result.per_head_recall.items()},
     }
-    if result.policy == "dense":
+    if POLICIES[result.policy].placement == "compute":
         row["bytes_fraction"] = None
         row["fetched_fraction"] = None
     if targets is not None:
@@ -108,7 +107,7 @@ def _row(result: ForcedResult, ref: torch.Tensor | None, targets: torch.Tensor |
 class EvalRunner:
     def __init__(self, model, tokenizer, settings: EvalSettings, progress: bool = True) -> None:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        self.ev = ForcedEvaluator(model, tokenizer=tokenizer, progress=progress)
+        self.ev = Evaluator(model, tokenizer=tokenizer, progress=progress)
         self.progress = progress
 
     # ---------------------------------------------------------------- text quality
@@ -117,15 +116,17 @@ class EvalRunner:
         s = self.settings.score_tokens
         t0 = ids.shape[0] - s - 1
         chunk, targets = ids[t0 : t0 + s][None], ids[t0 + 1 : t0 + s + 1]
-        need_colsum = any(cfg.policy == "h2o" for _, _, cfg in runs)
-        prefix = self.ev.prefill(ids[:t0][None], column_sums=need_colsum)
+        prefix = self.ev.prefill(ids[:t0][None])
         full_bytes = full_fetch_bytes_per_token(self.ev.adapter, t0 + (s - 1) / 2, self.settings.kv_dtype)
         dense = self.ev.run(prefix, chunk, InfiniGenConfig(policy="dense"))
         ref = dense.logits[0]
         rows = []
         for label, budget, cfg in runs:
             start = time.perf_counter()
-            res = dense if cfg.policy == "dense" else self.ev.run(prefix, chunk, cfg, measure_recall=measure_recall)
+            if cfg.spec.placement == "compute":
+                res = dense  # the reference itself
+            else:
+                res = self.ev.run(prefix, chunk, cfg, measure_recall=measure_recall)
             row = {"policy": label, "budget": budget, **_row(res, ref, targets, full_bytes)}
             row["seconds"] = time.perf_counter() - start
             row["config"] = cfg.to_dict()
@@ -154,12 +155,11 @@ class EvalRunner:
 
         st = self.settings
         runs = policy_configs(st)
-        need_colsum = any(cfg.policy == "h2o" for _, _, cfg in runs)
         out = []
         for case in retrieval_cases(self.tokenizer, task, st.retrieval_lengths, st.depths):
             prompt = torch.tensor(case.prompt_ids)[None]
             answer = torch.tensor(case.answer_ids)
-            prefix = self.ev.prefill(prompt, column_sums=need_colsum)
+            prefix = self.ev.prefill(prompt)
             first = int(prefix.last_logits[0].argmax())
             # the forced answer tokens see contexts length .. length + n - 2: their mean
             full_bytes = full_fetch_bytes_per_token(
@@ -264,7 +264,7 @@ class EvalRunner:
         if "variants" in suites:
             work += len(st.datasets)
         rows: list[dict] = []
-        with tqdm(total=work, desc="eval", disable=not self.progress) as bar:
+        with tqdm(total=work, desc="eval", disable=not self.progress) as bar, self.ev:
             if "ppl" in suites:
                 rows += self.ppl_suite(bar)
                 if on_suite:

@@ -1,6 +1,7 @@
 """What the method needs to know about a model family: where q/k, RoPE and the norm live.
 
-An adapter never changes the model except through ``fold_skew`` (models without RoPE).
+An adapter never changes the model except through ``fold_skew`` (models without RoPE), and
+only when `infinigen.attach` asks it to.
 """
 
 from __future__ import annotations
@@ -31,10 +32,6 @@ class ModelAdapter(ABC):
         self.max_positions: int = getattr(self.config, "max_position_embeddings", 2048)
         self.sliding_window: int | None = getattr(self.config, "sliding_window", None)
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     @abstractmethod
     def attention_modules(self) -> list[nn.Module]:
         """The attention module of every decoder layer, in order."""
@@ -51,11 +48,10 @@ class ModelAdapter(ABC):
     def scaling(self, layer: int) -> float:
         return self.head_dim**-0.5
 
-    def fold_skew(self, skews: dict[int, torch.Tensor]) -> None:
-        """Fold per-head orthogonal matrices into W_q/W_k (only for models without RoPE)."""
-        raise NotImplementedError(f"{self.family}: the skew is applied at run time, not folded")
-
-    def unfold_skew(self, skews: dict[int, torch.Tensor]) -> None:
+    def fold_skew(self, skews: dict[int, torch.Tensor]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Fold per-head orthogonal matrices into W_q/W_k (only for models without RoPE).
+        Returns every changed parameter with a copy of its original value, so that the caller
+        (attach, the only code that changes a model) can restore it bit for bit."""
         raise NotImplementedError(f"{self.family}: the skew is applied at run time, not folded")
 
     def _split_heads(self, y: torch.Tensor, heads: int) -> torch.Tensor:

@@ -36,25 +36,21 @@ class OPTAdapter(ModelAdapter):
         return float(self.attention_modules()[layer].scaling)
 
     @torch.no_grad()
-    def _apply(self, skews: dict[int, torch.Tensor], transpose: bool) -> None:
+    def fold_skew(self, skews: dict[int, torch.Tensor]) -> list[tuple[nn.Parameter, torch.Tensor]]:
         mods = self.attention_modules()
         d = self.head_dim
+        originals = []
         for layer, a in skews.items():
             a = a.to(torch.float64)
-            if transpose:
-                a = a.transpose(-1, -2)
             for proj in (mods[layer].q_proj, mods[layer].k_proj):
+                originals.append((proj.weight, proj.weight.detach().clone()))
                 w = proj.weight.data.to(torch.float64).view(self.num_heads, d, -1)  # [H, d, in]
                 # New per-head output is y_h @ A: rows of W_h mix by A^T.
                 w = torch.einsum("hde,hdi->hei", a, w)
                 proj.weight.data.copy_(w.reshape(proj.weight.shape).to(proj.weight.dtype))
                 if proj.bias is not None:
+                    originals.append((proj.bias, proj.bias.detach().clone()))
                     bias = proj.bias.data.to(torch.float64).view(self.num_heads, d)
                     bias = torch.einsum("hd,hde->he", bias, a)
                     proj.bias.data.copy_(bias.reshape(-1).to(proj.bias.dtype))
-
-    def fold_skew(self, skews: dict[int, torch.Tensor]) -> None:
-        self._apply(skews, transpose=False)
-
-    def unfold_skew(self, skews: dict[int, torch.Tensor]) -> None:
-        self._apply(skews, transpose=True)
+        return originals

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from infinigen.policies.base import Policy
+from infinigen.config import QuestKnobs
+from infinigen.select.base import Selector
 from infinigen.speculate import Selection, budget_counts, selection_from_mask
 
 
@@ -34,9 +35,9 @@ def page_upper_bounds(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor
     return ub.masked_fill((real == 0)[:, None, :], -math.inf)
 
 
-class QuestPolicy(Policy):
+class QuestSelector(Selector):
     name = "quest"
-    selects = True
+    Knobs = QuestKnobs
     query_from = "own"
 
     def new_state(self, layer_idx) -> PageBounds:
@@ -44,7 +45,7 @@ class QuestPolicy(Policy):
 
     def on_append(self, state: PageBounds, layer_idx, keys, valid) -> None:
         b, hkv, n, d = keys.shape
-        page = self.config.page_tokens
+        page = self.knobs.page_tokens
         start, end = state.length, state.length + n
         pages = -(-end // page)
         have = 0 if state.low is None else state.low.shape[2]
@@ -68,19 +69,15 @@ class QuestPolicy(Policy):
         state.length = end
 
     def select(self, state: PageBounds, layer_idx, query, past, valid) -> Selection:
-        page = self.config.page_tokens
+        page = self.knobs.page_tokens
         p = -(-past // page)
         ub = page_upper_bounds(query, state.low[:, :, :p], state.high[:, :, :p], state.real[:, :p])
-        context = valid.sum(-1)
-        count = budget_counts(context, self.config.budget, self.config.budget_tokens)
-        n_pages = -(-count // page)  # [B]
+        count = budget_counts(valid.sum(-1), self.knobs.budget, self.knobs.budget_tokens)
+        n_pages = -(-count // page)  # [B, Hkv]
         b, hkv, _ = ub.shape
         order = torch.argsort(ub, dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order)
         rank.scatter_(-1, order, torch.arange(p, device=ub.device).expand(b, hkv, p))
-        chosen = (rank < n_pages[:, None, None]) & torch.isfinite(ub)
-        keep = chosen.repeat_interleave(page, dim=-1)[..., :past] & valid[:, None, :]
-        return selection_from_mask(keep, context)
-
-    def describe(self):
-        return {"policy": self.name, "budget": self.config.budget, "page_tokens": self.config.page_tokens}
+        chosen = (rank < n_pages[..., None]) & torch.isfinite(ub)
+        keep = chosen.repeat_interleave(page, dim=-1)[..., :past] & valid
+        return selection_from_mask(keep)

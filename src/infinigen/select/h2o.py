@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from infinigen.policies.base import Policy, group_sum
-from infinigen.speculate import Selection, budget_counts, selection_from_mask
+from infinigen.config import H2OKnobs
+from infinigen.select.base import Selector
+from infinigen.speculate import Selection, budget_counts, group_sum, selection_from_mask
 
 
 @dataclass
@@ -23,13 +24,14 @@ class HeavyHitters:
 def keep_heavy_and_recent(
     kept: torch.Tensor, acc: torch.Tensor, count: torch.Tensor, recent_ratio: float
 ) -> torch.Tensor:
-    """Of the `kept` positions [B, Hkv, T], keep `count[b]`: the floor(recent_ratio * count)
-    most recent, then the largest `acc` among the others (earlier position first on ties)."""
+    """Of the `kept` positions [B, Hkv, T], keep `count` [B, Hkv] per row: the
+    floor(recent_ratio * count) most recent, then the largest `acc` among the others (earlier
+    position first on ties)."""
     b, hkv, t = kept.shape
-    n_recent = torch.floor(count.to(torch.float64) * recent_ratio).to(torch.long)[:, None, None]
+    n_recent = torch.floor(count.to(torch.float64) * recent_ratio).to(torch.long)[..., None]
     from_end = kept.flip(-1).long().cumsum(-1).flip(-1) - 1  # 0 at the most recent kept position
     recent = kept & (from_end < n_recent)
-    heavy_n = count[:, None] - recent.sum(-1)  # [B, Hkv]
+    heavy_n = count - recent.sum(-1)  # [B, Hkv]
     cand = kept & ~recent
     m = acc.to(torch.float32).masked_fill(~cand, -math.inf)
     order = torch.argsort(m, dim=-1, descending=True, stable=True)
@@ -39,11 +41,9 @@ def keep_heavy_and_recent(
     return recent | heavy
 
 
-class H2OPolicy(Policy):
+class H2OSelector(Selector):
     name = "h2o"
-    selects = True
-    observes = True
-    prefill_scores = True
+    Knobs = H2OKnobs
 
     def new_state(self, layer_idx) -> HeavyHitters:
         return HeavyHitters()
@@ -55,16 +55,16 @@ class H2OPolicy(Policy):
         state.acc = acc if state.acc is None else torch.cat([state.acc, acc], -1)
         state.kept = kept if state.kept is None else torch.cat([state.kept, kept], -1)
 
-    def on_prefill_attention(self, state: HeavyHitters, layer_idx, column_sums) -> None:
-        t = column_sums.shape[-1]
-        state.acc[..., :t] += column_sums.to(torch.float32)
+    def on_prefill(self, state: HeavyHitters, layer_idx, weights) -> None:
+        sums = weights.column_sums()
+        state.acc[..., : sums.shape[-1]] += sums.to(torch.float32)
 
     def select(self, state: HeavyHitters, layer_idx, query, past, valid) -> Selection:
-        context = valid.sum(-1)
-        count = budget_counts(context, self.config.budget, self.config.budget_tokens)
-        kept = keep_heavy_and_recent(state.kept[..., :past], state.acc[..., :past], count, self.config.recent_ratio)
+        count = budget_counts(valid.sum(-1), self.knobs.budget, self.knobs.budget_tokens)
+        kept = state.kept[..., :past] & valid
+        kept = keep_heavy_and_recent(kept, state.acc[..., :past], count, self.knobs.recent_ratio)
         state.kept[..., :past] = kept  # evicted for good
-        return selection_from_mask(kept, context)
+        return selection_from_mask(kept)
 
     def observe(self, state: HeavyHitters, layer_idx, selection, probs, self_prob) -> None:
         hkv = selection.indices.shape[1]
@@ -72,6 +72,3 @@ class H2OPolicy(Policy):
         state.acc.scatter_add_(-1, selection.indices, p)
         pos = state.acc.shape[-1] - 1  # the current token, appended before its attention
         state.acc[..., pos] += group_sum(self_prob.to(torch.float32), hkv)
-
-    def describe(self):
-        return {"policy": self.name, "budget": self.config.budget, "recent_ratio": self.config.recent_ratio}

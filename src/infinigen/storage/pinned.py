@@ -14,8 +14,7 @@ import time
 
 import torch
 
-from infinigen.kv.stats import TransferStats
-from infinigen.kv.tiers import KVTier
+from infinigen.storage.base import KVTier, TransferStats
 
 
 class CudaTransfer:
@@ -29,9 +28,6 @@ class CudaTransfer:
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         torch.cuda.current_stream(self._tensors[0].device).wait_event(self._event)
         return self._tensors
-
-    def done(self) -> bool:
-        return self._event.query()
 
 
 class PinnedTier(KVTier):
@@ -67,7 +63,7 @@ class PinnedTier(KVTier):
         if self._write_event is not None:
             self._write_event.synchronize()
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _append(self, keys, values, valid) -> None:
         n = keys.shape[2]
         self._grow(self.length + n)
         produced = torch.cuda.current_stream(self.device).record_event()
@@ -80,7 +76,7 @@ class PinnedTier(KVTier):
             self._write_event = self._write_stream.record_event()
         self.length += n
 
-    def gather_async(self, indices, valid, device, dtype) -> CudaTransfer:
+    def _gather_async(self, indices, valid, device, dtype) -> CudaTransfer:
         start = time.perf_counter()
         self._host_ready()
         b, h, n = indices.shape
@@ -100,10 +96,7 @@ class PinnedTier(KVTier):
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return CudaTransfer((k, v), event, (stage_k, stage_v))
 
-    def gather(self, indices, valid, device, dtype):
-        return self.gather_async(indices, valid, device, dtype).result()
-
-    def read_all_async(self, upto, device, dtype) -> CudaTransfer:
+    def _read_all_async(self, upto, device, dtype) -> CudaTransfer:
         start = time.perf_counter()
         self._host_ready()
         src_k, src_v = self._k[:, :, :upto], self._v[:, :, :upto]
@@ -114,9 +107,6 @@ class PinnedTier(KVTier):
         rows = self.batch * self.kv_heads * upto
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return CudaTransfer((k, v), event, (self._k, self._v))
-
-    def read_all(self, upto, device, dtype):
-        return self.read_all_async(upto, device, dtype).result()
 
     def peek_all(self):
         self._host_ready()

@@ -13,9 +13,7 @@ Rules, per (b, h):
   the lowest free slot (slots left free by padding), else the slot of a victim evicted by the policy.
   Hence with ``capacity >= `` the number of positions ever admitted nothing is evicted and every
   valid position ``p`` sits in slot ``p``: a pool sized to the whole context changes nothing.
-* Victims are chosen among the resident positions ``< p - protect_recent``: the position being admitted
-  and the ``protect_recent`` positions just before it are never evicted. ``protect_recent < capacity``
-  guarantees a candidate always exists.
+* Victims are chosen among the resident positions older than the one being admitted.
 * Policies (ties always go to the smallest, i.e. oldest, position):
 
   - ``counter``: fewest fetches since admission;
@@ -37,7 +35,10 @@ import math
 
 import torch
 
-POLICIES = ("counter", "lru", "fifo")
+from infinigen.storage.base import TransferStats
+from infinigen.storage.ram import RamTier
+
+EVICTIONS = ("counter", "lru", "fifo")
 
 _POS_BITS = 40  # victim keys pack (primary key, position) into one int64
 
@@ -57,20 +58,14 @@ def capacity_slots(fraction: float, context: int) -> int:
 class HostPool:
     """Slot bookkeeping for a capped slow tier holding [B, Hkv, capacity] rows."""
 
-    def __init__(
-        self, batch: int, kv_heads: int, capacity: int, policy: str = "counter", protect_recent: int = 0
-    ) -> None:
+    def __init__(self, batch: int, kv_heads: int, capacity: int, policy: str = "counter") -> None:
         for name, value in (("batch", batch), ("kv_heads", kv_heads), ("capacity", capacity)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {policy!r}; available: {', '.join(POLICIES)}")
-        if isinstance(protect_recent, bool) or not isinstance(protect_recent, int):
-            raise ValueError(f"protect_recent must be an integer, got {protect_recent!r}")
-        if not 0 <= protect_recent < capacity:
-            raise ValueError(f"protect_recent must be in [0, capacity={capacity}), got {protect_recent}")
+        if policy not in EVICTIONS:
+            raise ValueError(f"unknown eviction policy {policy!r}; available: {', '.join(EVICTIONS)}")
         self.batch, self.kv_heads, self.capacity = batch, kv_heads, capacity
-        self.policy, self.protect_recent = policy, protect_recent
+        self.policy = policy
         shape = (batch, kv_heads, capacity)
         self._slot_pos = torch.full(shape, -1, dtype=torch.long)  # position held by each slot, -1 free
         self._count = torch.zeros(shape, dtype=torch.long)  # fetches of that position since admission
@@ -93,11 +88,6 @@ class HostPool:
     def evictions(self) -> int:
         """Positions evicted so far, summed over (b, h); each one is lost for good."""
         return self._evictions
-
-    @property
-    def slot_positions(self) -> torch.Tensor:
-        """[B, Hkv, capacity] long: the position each slot holds, -1 for a free slot (a copy)."""
-        return self._slot_pos.clone()
 
     def resident(self, upto: int | None = None) -> torch.Tensor:
         """[B, Hkv, T] bool, T = `upto` (default: length): True where the position is in the pool."""
@@ -262,8 +252,7 @@ class HostPool:
         The pool is full (in rows that evict). Let Q be its positions in ascending order and S their
         slots. The k-th evicting position (k from 0) evicts Q[k] if k < capacity, else the
         (k - capacity)-th evicting position, and takes slot S[k mod capacity]; of the E evicting
-        positions the last `capacity` survive, and Q[j] survives iff j >= E. The oldest resident is
-        always older than the protected window, as the window holds fewer than `capacity` positions."""
+        positions the last `capacity` survive, and Q[j] survives iff j >= E."""
         cap, p0 = self.capacity, self._length
         max_evict = phase3_pos.shape[2]
         q_pos, q_slot = torch.topk(self._slot_pos, min(max_evict, cap), dim=-1, largest=False, sorted=True)
@@ -299,7 +288,7 @@ class HostPool:
                 key = (self._stamp << _POS_BITS) + self._slot_pos
             else:
                 key = self._slot_pos.clone()
-            eligible = (self._slot_pos >= 0) & (self._slot_pos < (q - self.protect_recent)[:, :, None])
+            eligible = (self._slot_pos >= 0) & (self._slot_pos < q[:, :, None])
             victim = torch.where(eligible, key, never).argmin(-1)
             b, h = act.nonzero(as_tuple=True)
             slot = victim[b, h]
@@ -308,3 +297,57 @@ class HostPool:
             self._slot_of[b, h, old] = -1
             self._place(b, h, new, slot, stamp)
             evicted_out[b, h, new - p0] = old
+
+
+class PooledTier(RamTier):
+    """A capped host pool: `capacity` slots per (batch row, KV head) in host RAM, filled and
+    evicted as `HostPool` decides. Positions keep their numbers; an evicted one is gone for
+    good, and `present` says which remain, so that no selection asks for it. Rows are stored
+    and read as in `RamTier`, at the slot the pool gives each position."""
+
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        stats: TransferStats,
+        capacity: int,
+        eviction: str = "counter",
+    ) -> None:
+        super().__init__(batch, kv_heads, head_dim, dtype, stats)
+        self.pool = HostPool(batch, kv_heads, capacity, eviction)
+        self._k = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype)
+        self._v = torch.zeros_like(self._k)
+        self._clock = 0  # one tick per gather: the decode step the pool stamps its fetches with
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def evictions(self) -> int:
+        return self.pool.evictions
+
+    def _append(self, keys, values, valid) -> None:
+        n = keys.shape[2]
+        slots, _ = self.pool.admit(n, None if valid is None else valid.to("cpu", torch.bool))
+        where = (slots >= 0).nonzero(as_tuple=True)
+        self._k[where[0], where[1], slots[where]] = keys[where].detach().to("cpu", self.dtype)
+        self._v[where[0], where[1], slots[where]] = values[where].detach().to("cpu", self.dtype)
+        self.length += n
+
+    def present(self, upto: int) -> torch.Tensor:
+        return self.pool.resident(upto)
+
+    def _gather(self, indices, valid, device, dtype):
+        self._clock += 1
+        idx, ok = indices.to("cpu", torch.long), valid.to("cpu", torch.bool)
+        self.pool.record_fetch(idx, ok, self._clock)
+        return super()._gather(self.pool.slots_of(idx, ok), ok, device, dtype)  # raises for an evicted position
+
+    def _read_all(self, upto, device, dtype):
+        raise RuntimeError("a capped host pool cannot return every position (some were evicted)")
+
+    def peek_all(self):
+        raise RuntimeError("a capped host pool does not hold every position (some were evicted)")

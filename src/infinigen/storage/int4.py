@@ -12,13 +12,13 @@ import time
 
 import torch
 
-from infinigen.kv.stats import TransferStats
-from infinigen.kv.tiers import KVTier
+from infinigen.storage.base import KVTier, TransferStats, scatter_rows
 
 LEVELS = 16
+GROUP = 64  # channels per quantization group (FlexGen's choice)
 
 
-def int4_group(head_dim: int, group: int = 64) -> int:
+def int4_group(head_dim: int, group: int = GROUP) -> int:
     """Channels per group: `group`, or the whole head when it is smaller (a head of 16 is one group)."""
     if head_dim <= 0 or group <= 0:
         raise ValueError(f"head_dim and group must be positive, got head_dim={head_dim}, group={group}")
@@ -33,7 +33,7 @@ def _check_even(d: int) -> None:
         raise ValueError(f"int4 packing stores two channels per byte; the last dimension must be even, got {d}")
 
 
-def quantize_int4(x: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., d] -> (packed uint8 [..., d // 2], scale fp16 [..., d // g], zero fp16 [..., d // g]).
 
     Even channels go in the low nibble, odd channels in the high nibble.
@@ -67,12 +67,12 @@ def dequantize_int4(
     return x.reshape(*packed.shape[:-1], d).to(dtype)
 
 
-def fake_quantize_int4(x: torch.Tensor, group: int = 64) -> torch.Tensor:
+def fake_quantize_int4(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """What an int4 tier returns for `x`, in x.dtype: lets an evaluator reproduce the tier exactly."""
     return dequantize_int4(*quantize_int4(x, group), dtype=x.dtype)
 
 
-def int4_row_bytes(head_dim: int, group: int = 64) -> int:
+def int4_row_bytes(head_dim: int, group: int = GROUP) -> int:
     """Bytes of one position's K and V for one KV head: packed codes plus fp16 scale and zero per group."""
     _check_even(head_dim)
     g = int4_group(head_dim, group)
@@ -87,7 +87,7 @@ class Int4RamTier(KVTier):
     """
 
     def __init__(
-        self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats, group: int = 64
+        self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats, group: int = GROUP
     ) -> None:
         _check_even(head_dim)
         self.group = int4_group(head_dim, group)
@@ -120,8 +120,7 @@ class Int4RamTier(KVTier):
         self._kq, self._ks, self._kz = new_k
         self._vq, self._vs, self._vz = new_v
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._check_append(keys)
+    def _append(self, keys, values, valid) -> None:
         n = keys.shape[2]
         self._grow(self.length + n)
         end = self.length + n
@@ -131,24 +130,19 @@ class Int4RamTier(KVTier):
             store[:, :, self.length : end] = part
         self.length = end
 
-    def gather(self, indices, valid, device, dtype):
+    def _gather(self, indices, valid, device, dtype):
         start = time.perf_counter()
-        b, h, n = indices.shape
-        self._check_indices(indices)
         flat = valid.nonzero(as_tuple=True)  # (b, h, slot) of the rows that move
         pos = indices[flat]
         i, j = flat[0], flat[1]
         k_rows = dequantize_int4(self._kq[i, j, pos], self._ks[i, j, pos], self._kz[i, j, pos], dtype)
         v_rows = dequantize_int4(self._vq[i, j, pos], self._vs[i, j, pos], self._vz[i, j, pos], dtype)
-        k = torch.zeros(b, h, n, self.head_dim, dtype=dtype, device=device)
-        v = torch.zeros_like(k)
-        k[flat] = k_rows.to(device)
-        v[flat] = v_rows.to(device)
+        k, v = scatter_rows(flat, k_rows, v_rows, (*indices.shape, self.head_dim), device, dtype)
         rows = int(pos.numel())
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return k, v
 
-    def read_all(self, upto, device, dtype):
+    def _read_all(self, upto, device, dtype):
         start = time.perf_counter()
         k = dequantize_int4(self._kq[:, :, :upto], self._ks[:, :, :upto], self._kz[:, :, :upto], dtype).to(device)
         v = dequantize_int4(self._vq[:, :, :upto], self._vs[:, :, :upto], self._vz[:, :, :upto], dtype).to(device)

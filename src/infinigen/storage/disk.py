@@ -45,7 +45,6 @@ import mmap
 import os
 import shutil
 import tempfile
-import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,21 +53,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infinigen.kv.stats import TransferStats
-from infinigen.kv.tiers import KVTier
+from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats
 
 ENV_DIR = "INFINIGEN_KV_DIR"
 _MIN_BLOCK = 4096
 _STAGE_KEEP = 1 << 20  # append staging buffers up to this size are kept and reused
-_STATS_LOCK = threading.Lock()  # stats are updated from pool threads
-
-
-class KVStorageError(OSError):
-    """The disk tier cannot store or read back the KV (space, directory, I/O)."""
-
-
-class KVCapacityError(ValueError):
-    """More positions were appended than the tier was sized for."""
 
 
 def default_directory() -> Path:
@@ -77,15 +66,19 @@ def default_directory() -> Path:
 
 
 def check_space(directory: str | os.PathLike | None, nbytes: int) -> Path:
-    """Fail early and clearly when `directory` cannot take `nbytes` of KV files: called before
-    a generation writes anything, for every layer's file at once."""
+    """Fail early and clearly when `directory` cannot take `nbytes` of KV files (a directory
+    that cannot be created, is not one, is not writable, or lacks the room). The storage
+    factory calls it once for every layer's file before a generation writes anything; a
+    tier made on its own calls it for its file."""
     d = Path(directory) if directory is not None else default_directory()
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KVStorageError(e.errno, f"KV directory {d} does not exist and cannot be created: {e.strerror}") from e
-    if not d.is_dir() or not os.access(d, os.W_OK | os.X_OK):
-        raise KVStorageError(errno.EACCES, f"KV directory {d} is not a writable directory")
+    if not d.is_dir():
+        raise KVStorageError(errno.ENOTDIR, f"KV directory {d} is not a directory")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise KVStorageError(errno.EACCES, f"KV directory {d} is not writable")
     free = shutil.disk_usage(d).free
     if free < nbytes:
         raise KVStorageError(
@@ -105,19 +98,36 @@ def _aligned(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(nbytes, 1))
 
 
+class IOThreads:
+    """The threads disk tiers read with: one `control` thread runs each gather (plan, reads,
+    unpacking) and `io` runs its reads, several in flight. Separate pools, so that a gather
+    waiting for its reads can never starve them. One instance serves every layer of a cache."""
+
+    def __init__(self, readers: int) -> None:
+        if readers < 1:
+            raise ValueError(f"readers must be at least 1, got {readers}")
+        self.readers = readers
+        self.control = ThreadPoolExecutor(1, thread_name_prefix="infinigen-gather")
+        self.io = ThreadPoolExecutor(readers, thread_name_prefix="infinigen-io")
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.control.shutdown(wait=wait)
+        self.io.shutdown(wait=wait)
+
+
 class _Resources:
     """What must be released with the tier; holds no reference to the tier itself."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = -1
-        self.pools: list[ThreadPoolExecutor] = []
+        self.own_threads: IOThreads | None = None
 
 
 def _release(res: _Resources, wait: bool = False) -> None:
-    pools, res.pools = res.pools, []
-    for pool in pools:
-        pool.shutdown(wait=wait)
+    threads, res.own_threads = res.own_threads, None
+    if threads is not None:
+        threads.shutdown(wait=wait)
     if res.fd >= 0:
         try:
             os.close(res.fd)
@@ -133,10 +143,12 @@ def _release(res: _Resources, wait: bool = False) -> None:
 class DiskTier(KVTier):
     """One layer's K and V in a file on disk, read with O_DIRECT (see the module docstring).
 
-    ``capacity`` is the most positions the tier will ever hold (the model's context); the file
-    is sized for it up front. ``directory`` defaults to ``$INFINIGEN_KV_DIR`` or the system
-    temporary directory; every tier uses its own unique file there, removed by ``close()``, by
-    garbage collection, at interpreter exit, or when a ``with`` block is left.
+    ``capacity`` is the most positions the tier will ever hold; the file is sized for it up
+    front. ``directory`` defaults to ``$INFINIGEN_KV_DIR`` or the system temporary directory;
+    every tier uses its own unique file there, removed by ``close()``, by garbage collection,
+    at interpreter exit, or when a ``with`` block is left. ``threads`` are the I/O threads to
+    read with (shared by the layers of a cache); without them the tier starts its own
+    ``readers`` and stops them on close.
 
     If the filesystem refuses O_DIRECT (tmpfs, some network filesystems) a
     ``KVStorageError`` names the directory, unless ``allow_buffered=True``: then the file is
@@ -155,45 +167,32 @@ class DiskTier(KVTier):
         stats: TransferStats,
         capacity: int,
         directory: str | os.PathLike | None = None,
-        threads: int = 4,
+        readers: int = 4,
         *,
+        threads: IOThreads | None = None,
         allow_buffered: bool = False,
         coalesce_gap_blocks: int = 2,
-        pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None,
     ) -> None:
         super().__init__(batch, kv_heads, head_dim, dtype, stats)
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1 position, got {capacity}")
-        if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
         if coalesce_gap_blocks < 0:
             raise ValueError(f"coalesce_gap_blocks must be >= 0, got {coalesce_gap_blocks}")
-        # (control, io) executors shared by every layer of a cache: few threads in all, rather
-        # than a pool per layer. The owner shuts them down; close() leaves them running.
-        self._shared_pools = pools
         self.capacity = int(capacity)
-        self.threads = int(threads)
         self.coalesce_gap_blocks = int(coalesce_gap_blocks)
         self.directory = Path(directory) if directory is not None else default_directory()
         self.record_bytes = self.row_bytes
         self.regions = batch * kv_heads
-        self.bytes_read = 0  # counted bytes read by this tier (amplification included)
+        self.bytes_read = 0  # bytes read by this tier (amplification included)
         self.bytes_useful = 0  # bytes of the rows asked for
         self._closed = False
         self._stage: mmap.mmap | None = None
 
-        self._check_directory()
+        check_space(self.directory, 0)
         self.block_size = self._block_size()
         self.region_bytes = _round_up(self.capacity * self.record_bytes, self.block_size)
         self.file_bytes = self.region_bytes * self.regions
-        free = shutil.disk_usage(self.directory).free
-        if free < self.file_bytes:
-            raise KVStorageError(
-                errno.ENOSPC,
-                f"not enough free space in {self.directory} for the KV of one layer: "
-                f"needs {self.file_bytes} bytes, {free} free; point directory= "
-                f"(or ${ENV_DIR}) at a disk with more room or lower the context",
-            )
+        check_space(self.directory, self.file_bytes)
         try:
             fd, path = tempfile.mkstemp(prefix="infinigen-kv-", suffix=".bin", dir=self.directory)
         except OSError as e:
@@ -203,6 +202,9 @@ class DiskTier(KVTier):
         self._res = _Resources(path)
         self._finalizer = weakref.finalize(self, _release, self._res)
         try:
+            if threads is None:
+                threads = self._res.own_threads = IOThreads(readers)
+            self.threads = threads
             self.direct = self._open(allow_buffered)
         except BaseException:
             self._finalizer()
@@ -211,17 +213,6 @@ class DiskTier(KVTier):
         self._tails = torch.zeros(self.regions, self.block_size, dtype=torch.uint8)
 
     # ------------------------------------------------------------------ setup
-    def _check_directory(self) -> None:
-        d = self.directory
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise KVStorageError(e.errno, f"KV directory {d} does not exist and cannot be created: {e.strerror}") from e
-        if not d.is_dir():
-            raise KVStorageError(errno.ENOTDIR, f"KV directory {d} is not a directory")
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise KVStorageError(errno.EACCES, f"KV directory {d} is not writable")
-
     def _block_size(self) -> int:
         try:
             fs_block = os.statvfs(self.directory).f_bsize
@@ -312,28 +303,17 @@ class DiskTier(KVTier):
         if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._res.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def _pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """(control, io): gathers run on `control`, their reads on `io` (separate so that a
-        gather waiting for its reads can never starve them)."""
-        if self._shared_pools is not None:
-            return self._shared_pools
-        if not self._res.pools:
-            self._res.pools = [
-                ThreadPoolExecutor(1, thread_name_prefix="infinigen-kv-gather"),
-                ThreadPoolExecutor(self.threads, thread_name_prefix="infinigen-kv-io"),
-            ]
-        return self._res.pools[0], self._res.pools[1]
-
     def _read_many(self, requests: list[tuple[memoryview, int]]) -> None:
         """Issue (buffer, offset) reads, up to `threads` in flight."""
         if not requests:
             return
-        if len(requests) == 1 or self.threads == 1:
+        readers = self.threads.readers
+        if len(requests) == 1 or readers == 1:
             for buf, off in requests:
                 self._preadv(buf, off)
             return
-        _, io = self._pools()
-        parts = min(self.threads, len(requests))
+        io = self.threads.io
+        parts = min(readers, len(requests))
 
         def run(chunk):
             for buf, off in chunk:
@@ -348,17 +328,9 @@ class DiskTier(KVTier):
             raise ValueError(f"disk KV tier {self.path} is closed")
 
     # ------------------------------------------------------------------ appends
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _append(self, keys, values, valid) -> None:
         self._check_open()
-        if keys.shape[:2] != (self.batch, self.kv_heads) or keys.shape[-1] != self.head_dim or keys.dim() != 4:
-            raise ValueError(
-                f"tier holds [{self.batch}, {self.kv_heads}, T, {self.head_dim}], got keys {tuple(keys.shape)}"
-            )
-        if values.shape != keys.shape:
-            raise ValueError(f"values {tuple(values.shape)} do not match keys {tuple(keys.shape)}")
         n = keys.shape[2]
-        if n == 0:
-            return
         if self.length + n > self.capacity:
             raise KVCapacityError(
                 f"cannot append {n} positions to {self.length}: the disk KV tier was sized for "
@@ -392,8 +364,8 @@ class DiskTier(KVTier):
 
         view = memoryview(buf)
         writes = [(view[r * span : (r + 1) * span], r * self.region_bytes + start) for r in range(self.regions)]
-        if span >= (64 << 10) and self.regions > 1 and self.threads > 1:
-            _, io = self._pools()
+        if span >= (64 << 10) and self.regions > 1 and self.threads.readers > 1:
+            io = self.threads.io
             for f in [io.submit(self._pwrite, b, off) for b, off in writes]:
                 f.result()
         else:
@@ -455,37 +427,18 @@ class DiskTier(KVTier):
         return rows.view(self.dtype)
 
     def _count(self, nbytes: int, rows: int, seconds: float) -> None:
-        with _STATS_LOCK:
-            self.stats.add(nbytes, rows, seconds)
-            self.bytes_read += nbytes
-            self.bytes_useful += rows * self.record_bytes
+        useful = rows * self.record_bytes
+        self.stats.add(nbytes, rows, seconds, useful_bytes=useful)
+        self.bytes_read += nbytes  # a tier's reads run on one control thread: no lock needed
+        self.bytes_useful += useful
 
-    def gather_async(
-        self, indices: torch.Tensor, valid: torch.Tensor, device: torch.device, dtype: torch.dtype
-    ) -> Future:
-        """Like `gather`, but returns a Future at once; the reads run on the tier's threads so
-        the caller can compute meanwhile. The result is counted when the reads complete."""
+    def _gather_async(self, indices, valid, device, dtype) -> Future:
+        """The reads run on the control thread, so the caller can compute meanwhile; the result
+        is counted when they complete."""
         self._check_open()
-        if (
-            indices.shape != valid.shape
-            or indices.dim() != 3
-            or tuple(indices.shape[:2]) != (self.batch, self.kv_heads)
-        ):
-            raise ValueError(
-                f"indices/valid must be [{self.batch}, {self.kv_heads}, n], got {tuple(indices.shape)} "
-                f"and {tuple(valid.shape)}"
-            )
         idx = indices.detach().to("cpu", torch.int64).clone()
         ok = valid.detach().to("cpu", torch.bool).clone()
-        sel = idx[ok]
-        if sel.numel() and (int(sel.max()) >= self.length or int(sel.min()) < 0):
-            bad = int(sel.max()) if int(sel.max()) >= self.length else int(sel.min())
-            raise IndexError(f"selected position {bad} but the tier holds {self.length}")
-        control, _ = self._pools()
-        return control.submit(self._gather, idx, ok, device, dtype)
-
-    def gather(self, indices, valid, device, dtype):
-        return self.gather_async(indices, valid, device, dtype).result()
+        return self.threads.control.submit(self._gather, idx, ok, device, dtype)
 
     def _gather(self, indices: torch.Tensor, valid: torch.Tensor, device, dtype):
         t0 = time.perf_counter()
@@ -530,20 +483,17 @@ class DiskTier(KVTier):
         recs = raw.reshape(self.batch, self.kv_heads, upto, rec).view(self.dtype)
         return recs[..., :d].clone(), recs[..., d:].clone(), nbytes
 
-    def read_all(self, upto, device, dtype):
+    def _read_all(self, upto, device, dtype):
         t0 = time.perf_counter()
         k, v, nbytes = self._read_prefix(upto)
         k, v = k.to(device, dtype), v.to(device, dtype)
         self._count(nbytes, self.regions * upto, time.perf_counter() - t0)
         return k, v
 
-    def read_all_async(self, upto, device, dtype) -> Future:
-        """`read_all` on the tier's threads: the full-fetch policy issues it one layer ahead."""
+    def _read_all_async(self, upto, device, dtype) -> Future:
+        """One sequential read per region on the control thread: full fetch issues it one layer ahead."""
         self._check_open()
-        if not 0 <= upto <= self.length:
-            raise IndexError(f"asked for {upto} positions but the tier holds {self.length}")
-        control, _ = self._pools()
-        return control.submit(self.read_all, upto, device, dtype)
+        return self.threads.control.submit(self._read_all, upto, device, dtype)
 
     def peek_all(self):
         k, v, _ = self._read_prefix(self.length)
@@ -564,8 +514,8 @@ class DiskTier(KVTier):
         if self._closed:
             return
         self._closed = True
-        for pool in self._res.pools:
-            pool.shutdown(wait=True)
+        if self._res.own_threads is not None:
+            self._res.own_threads.shutdown(wait=True)
         self._stage = None
         self._finalizer()
 

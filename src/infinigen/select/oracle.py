@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from infinigen.policies.base import Policy, group_sum
-from infinigen.speculate import Selection, budget_counts, selection_from_mask
+from infinigen.select.base import Selector
+from infinigen.speculate import Selection, budget_counts, group_sum, selection_from_mask
 
 
 @dataclass
@@ -19,44 +19,44 @@ class KeyCopy:
 
 
 def true_probs(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Softmax over the cached positions: query [B, H, d], keys [B, Hkv, T, d] -> [B, H, T]."""
+    """Softmax over the valid cached positions: query [B, H, d], keys [B, Hkv, T, d],
+    valid [B, Hkv, T] -> [B, H, T]."""
     b, h, d = query.shape
     hkv = keys.shape[1]
     q = query.to(torch.float32).reshape(b, hkv, h // hkv, d)
     s = torch.matmul(q, keys.to(torch.float32).transpose(-1, -2)) * scaling  # [B, Hkv, G, T]
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
     return torch.softmax(s, -1).reshape(b, h, -1)
 
 
 def top_mass(mass: torch.Tensor, valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Mask [B, Hkv, T] of the `count[b]` real positions with the largest mass per row."""
+    """Mask [B, Hkv, T] of the `count` [B, Hkv] valid positions with the largest mass per row."""
     b, hkv, t = mass.shape
-    m = mass.masked_fill(~valid[:, None, :], float("-inf"))
+    m = mass.masked_fill(~valid, float("-inf"))
     order = torch.argsort(m, dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(t, device=m.device).expand(b, hkv, t))
-    return (rank < count[:, None, None]) & valid[:, None, :]
+    return (rank < count[..., None]) & valid
 
 
-class OraclePolicy(Policy):
+class OracleSelector(Selector):
     name = "oracle"
-    selects = True
     query_from = "own"
 
     def new_state(self, layer_idx):
         return KeyCopy()
 
+    def __init__(self, knobs, adapter, kv_dtype: torch.dtype | None = None) -> None:
+        """kv_dtype: the storage dtype, so that the oracle ranks the keys attention will see."""
+        super().__init__(knobs, adapter)
+        self.kv_dtype = kv_dtype
+
     def on_append(self, state: KeyCopy, layer_idx, keys, valid) -> None:
-        kv = self.config.kv_dtype
-        stored = keys if kv is None else keys.to(getattr(torch, kv)).to(keys.dtype)
+        stored = keys if self.kv_dtype is None else keys.to(self.kv_dtype).to(keys.dtype)
         state.keys = stored if state.keys is None else torch.cat([state.keys, stored], dim=-2)
 
     def select(self, state: KeyCopy, layer_idx, query, past, valid) -> Selection:
         probs = true_probs(query, state.keys[:, :, :past], valid, self.adapter.scaling(layer_idx))
         mass = group_sum(probs, self.adapter.num_kv_heads)
-        context = valid.sum(-1)
-        count = budget_counts(context, self.config.budget, self.config.budget_tokens)
-        return selection_from_mask(top_mass(mass, valid, count), context)
-
-    def describe(self):
-        return {"policy": self.name, "budget": self.config.budget}
+        count = budget_counts(valid.sum(-1), self.knobs.budget, self.knobs.budget_tokens)
+        return selection_from_mask(top_mass(mass, valid, count))

@@ -1,0 +1,210 @@
+"""`with infinigen.attach(model, config) as session:` — the only code that changes a model.
+
+Attaching loads (or calibrates) the skew artifact, registers the "infinigen" attention function,
+sets it as the model's attention implementation, adds one forward pre-hook per attention module,
+folds the skew into the weights of models without RoPE (OPT), and wraps `model.generate` so that
+a plain call uses a fresh `InfiniGenCache`. Every change is recorded with its undo; leaving the
+block (normally or by an exception), or `session.detach()`, restores the model exactly: the same
+parameters bit for bit, the same modules and hooks, attention implementation and `generate`.
+
+The pre-hook is how the session drives a cache: before layer i's attention it tells the cache
+which of the new tokens are real (layer 0), hands layer i its own input and layer i+1 layer i's
+input (so that layer i+1's transfer is issued while layer i computes), and passes layer i's
+cache object to the attention function. State lives in the cache, never on the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from infinigen.attention import ATTN_NAME, register_attention
+from infinigen.cache import InfiniGenCache, SessionCache
+from infinigen.config import InfiniGenConfig
+from infinigen.models import ModelAdapter, get_adapter
+from infinigen.select import Selector, make_selector
+from infinigen.skew import SkewArtifact, calibration_length, model_fingerprint, obtain_artifact
+
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, Session] = weakref.WeakKeyDictionary()
+
+
+class Session:
+    """One model attached to InfiniGen (see the module docstring). Make caches with `new_cache`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: InfiniGenConfig | None = None,
+        skew: SkewArtifact | str | Path | None = None,
+        tokenizer=None,
+        cache_dir: str | Path | None = None,
+        progress: bool = True,
+    ) -> None:
+        if model in _ATTACHED:
+            raise RuntimeError(
+                "this model is already attached to an infinigen session: leave that `with` block "
+                "(or call its detach()) before attaching again"
+            )
+        self.model = model
+        self.config = config or InfiniGenConfig()
+        self.adapter: ModelAdapter = get_adapter(model)  # raises for unsupported families
+        self.tokenizer = tokenizer
+        self.last_cache: InfiniGenCache | None = None
+        self._cache_dir, self._progress = cache_dir, progress
+        self._given_skew = skew
+        self._artifacts: dict[tuple, SkewArtifact] = {}
+        self._undo: list[Callable[[], None]] = []
+        self.folded = False
+        self.fingerprint = model_fingerprint(model)
+        self.artifact = self._artifact_for(self.config) if self.config.spec.selector == "infinigen" else None
+        try:
+            self._change_model()
+        except BaseException:
+            self.detach()
+            raise
+        _ATTACHED[model] = self
+
+    # ------------------------------------------------------------------ changing the model
+    def _change_model(self) -> None:
+        model = self.model
+        register_attention()
+        original_attn = model.config._attn_implementation
+        model.set_attn_implementation(ATTN_NAME)
+        self._undo.append(lambda: model.set_attn_implementation(original_attn))
+        for i, module in enumerate(self.adapter.attention_modules()):
+            handle = module.register_forward_pre_hook(functools.partial(self._pre_hook, layer=i), with_kwargs=True)
+            self._undo.append(handle.remove)
+        art = self.artifact
+        if art is not None and art.skewed and not self.adapter.has_rope:
+            originals = self.adapter.fold_skew({i: a for i, a in art.skews.items() if a is not None})
+            self.folded = True
+            self._undo.append(functools.partial(_restore_parameters, originals))
+        had_own = "generate" in model.__dict__
+        previous = model.__dict__.get("generate")
+        model.generate = self._wrap_generate(model.generate)
+        self._undo.append(lambda: _restore_attribute(model, "generate", had_own, previous))
+
+    def _wrap_generate(self, generate):
+        @functools.wraps(generate)
+        def generate_with_infinigen(*args, **kwargs):
+            if kwargs.get("past_key_values") is not None:
+                return generate(*args, **kwargs)
+            with self.new_cache() as cache:  # files removed however generation ends
+                self.last_cache = cache
+                return generate(
+                    *args, past_key_values=cache, **{k: v for k, v in kwargs.items() if k != "past_key_values"}
+                )
+
+        return generate_with_infinigen
+
+    def _pre_hook(self, module: nn.Module, args, kwargs, layer: int):
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, SessionCache):
+            return None  # a plain cache (or none): the model runs as it would without infinigen
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        pe = kwargs.get("position_embeddings")
+        if layer == 0:
+            cache.begin_forward(new_token_validity(kwargs.get("attention_mask"), x, cache.get_seq_length()))
+        cache.layers[layer].own_input(x, pe)
+        if layer + 1 < len(cache.layers):
+            cache.layers[layer + 1].previous_input(x, pe)
+        return args, {**kwargs, "infinigen_layer": cache.layers[layer]}
+
+    def detach(self) -> None:
+        """Undo every change, newest first (idempotent)."""
+        while self._undo:
+            self._undo.pop()()
+        self.folded = False
+        if _ATTACHED.get(self.model) is self:
+            del _ATTACHED[self.model]
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    @property
+    def attached(self) -> bool:
+        return _ATTACHED.get(self.model) is self
+
+    # ------------------------------------------------------------------ caches
+    def new_cache(
+        self, config: InfiniGenConfig | None = None, *, max_length: int | None = None, trace: bool = False
+    ) -> InfiniGenCache:
+        """A fresh cache for one generation (`config` defaults to the session's).
+
+        max_length: the positions the generation will reach (prompt + new tokens), if known;
+        trace: keep a record of every transfer (`cache.trace`)."""
+        if not self.attached:
+            raise RuntimeError("this session is detached: attach the model again to make a cache")
+        config = config or self.config
+        return InfiniGenCache(config, self.adapter, self.selector_for(config), max_length=max_length, trace=trace)
+
+    def selector_for(self, config: InfiniGenConfig) -> Selector | None:
+        """The selector of `config` in this session (None for a policy that reads every row)."""
+        artifact = self._artifact_for(config) if config.spec.selector == "infinigen" else None
+        return make_selector(config, self.adapter, artifact, folded=self.folded)
+
+    def _artifact_for(self, config: InfiniGenConfig) -> SkewArtifact:
+        key = (round(config.partial_ratio, 6), config.skew, calibration_length(config.calibration_tokens, self.adapter))
+        if key in self._artifacts:
+            return self._artifacts[key]
+        if self._artifacts and (self._given_skew is not None or self.folded):
+            why = "the given skew artifact" if self._given_skew is not None else "the skew folded into its weights"
+            raise ValueError(
+                f"this session uses {why} (partial_ratio, skew, calibration tokens = {next(iter(self._artifacts))}); "
+                f"the configuration asks for {key}: attach again with that configuration"
+            )
+        art = obtain_artifact(
+            self.model, self.adapter, self.fingerprint, config, self._given_skew, self.tokenizer, self._cache_dir,
+            self._progress,
+        )  # fmt: skip
+        self._artifacts[key] = art
+        return art
+
+
+def attach(
+    model: nn.Module,
+    config: InfiniGenConfig | None = None,
+    *,
+    skew: SkewArtifact | str | Path | None = None,
+    tokenizer=None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> Session:
+    """Attach InfiniGen to `model` (see the module docstring) and return the session; use it as a
+    context manager (``with attach(model, cfg) as session:``), or call `session.detach()`.
+
+    skew: an artifact or its path (default: cached under `cache_dir`, else calibrated on the
+    shipped prose, with `tokenizer`, and saved); progress: show calibration progress."""
+    return Session(model, config, skew=skew, tokenizer=tokenizer, cache_dir=cache_dir, progress=progress)
+
+
+def new_token_validity(attention_mask: torch.Tensor | None, x: torch.Tensor, past: int) -> torch.Tensor:
+    """[B, q] which of a forward's q new tokens are real, read from the 4D attention mask the
+    model built (its last query row sees every real position); all real without a mask."""
+    b, q = x.shape[0], x.shape[1]
+    if attention_mask is None or attention_mask.dim() != 4:
+        return torch.ones(b, q, dtype=torch.bool, device=x.device)
+    row = attention_mask[:, 0, -1, past : past + q]
+    valid = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    return valid.expand(b, -1) if valid.shape[0] != b else valid
+
+
+def _restore_parameters(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for param, value in originals:
+            param.copy_(value)
+
+
+def _restore_attribute(obj, name: str, had_own: bool, previous) -> None:
+    if had_own:
+        setattr(obj, name, previous)
+    else:
+        obj.__dict__.pop(name, None)

@@ -1,0 +1,369 @@
+"""Per-layer cache objects, in the style of transformers' own cache layers: `update` does the work.
+
+`ComputeLayer`  the whole KV of a layer stays with the compute, in a preallocated buffer.
+`OffloadedLayer` the whole KV lives in a slow tier; each decode step reads back every row
+                 (no selector) or the rows its selector chooses, issued one layer ahead when the
+                 selector can choose from the previous layer's input, so the transfer overlaps
+                 that layer's compute. It owns its tier, its selector state, its transfer in
+                 flight and its counters.
+
+Both answer the session's hooks: `own_input` (this layer's normalized attention input arrived),
+`previous_input` (the previous layer's did), and `attend` (the attention call itself).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from infinigen.attention import attend_selection, dense_attention
+from infinigen.select import Selector
+from infinigen.speculate import PrefillAttention, Selection, attention_recall
+from infinigen.storage import KVTier, PooledTier, Storage
+
+
+class Positions:
+    """Which cached positions are real tokens (left padding is not), shared by every layer of a
+    cache. A forward describes its new tokens (`describe`); positions no forward described (a
+    cache filled by calling `update` directly) count as real."""
+
+    def __init__(self) -> None:
+        self._valid: torch.Tensor | None = None  # [B, n]
+
+    def describe(self, start: int, valid: torch.Tensor) -> None:
+        """valid [B, q]: which of the positions start .. start + q - 1 are real tokens."""
+        b, q = valid.shape
+        self._grow(b, start + q, valid.device)
+        self._valid[:, start : start + q] = valid
+
+    def upto(self, batch: int, length: int, device) -> torch.Tensor:
+        """[B, length] bool: the real tokens among the first `length` positions."""
+        self._grow(batch, length, device)
+        return self._valid[:, :length].to(device)
+
+    def _grow(self, batch: int, length: int, device) -> None:
+        have = 0 if self._valid is None else self._valid.shape[1]
+        if self._valid is not None and self._valid.shape[0] != batch:
+            raise ValueError(f"the cache holds a batch of {self._valid.shape[0]}, got {batch}")
+        if length > have:
+            grown = torch.ones(batch, max(length, 2 * have), dtype=torch.bool, device=device)
+            if self._valid is not None:
+                grown[:, :have] = self._valid
+            self._valid = grown
+
+
+@dataclass
+class TransferRecord:
+    """One transfer issued for a decode step (kept when the cache is made with trace=True):
+    the layer it is for, the layer whose input issued it, the context it covers, and the
+    selection (None: every row)."""
+
+    layer: int
+    issued_at: int
+    past: int
+    selection: Selection | None
+
+
+@dataclass
+class CacheCounters:
+    """What the layers of one cache count together."""
+
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    batch: int = 0
+    speculation_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    trace: list[TransferRecord] | None = None
+
+
+@dataclass
+class LayerStats:
+    """Decode-time statistics of one layer (kept on the device: no host sync per step)."""
+
+    steps: int = 0
+    fraction_sum: Any = 0.0  # float64, a tensor once a selection was counted
+    recall_sum: float = 0.0
+    recall_n: int = 0
+    wait_seconds: float = 0.0
+    evictions: int = 0  # a capped pool's, kept when its tier is closed
+    pool_slots: int = 0
+
+    def fraction(self) -> float | None:
+        return float(self.fraction_sum) / self.steps if self.steps else None
+
+    def recall(self) -> float | None:
+        return self.recall_sum / self.recall_n if self.recall_n else None
+
+
+class SessionLayer(CacheLayerMixin):
+    """What every layer a session drives shares: transformers' per-layer bookkeeping (its length
+    is `length`) and the session's hooks, which do nothing unless a layer needs them."""
+
+    is_compileable = False
+    is_sliding = False
+    length: int = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def own_input(self, x: torch.Tensor, position_embeddings) -> None:
+        """This layer's normalized attention input arrived."""
+
+    def previous_input(self, x: torch.Tensor, position_embeddings) -> None:
+        """The previous layer's normalized attention input arrived."""
+
+    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        """The attention call over what `update` returned: the model's own, by default."""
+        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class ComputeLayer(SessionLayer):
+    """A layer whose whole KV stays with the compute: a preallocated buffer grown by doubling
+    (never past `capacity`), written in place, so a decode step copies nothing it already holds."""
+
+    role = "compute"
+
+    def __init__(self, index: int, capacity: int, reserve: bool = False) -> None:
+        """capacity: the most positions it will hold; reserve: allocate all of them at the first
+        update (the cache knows the generation's length) instead of growing from the prompt."""
+        super().__init__()
+        self.index, self.capacity, self.reserve = index, capacity, reserve
+        self.length = 0
+        self.stats = LayerStats()
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        end = self.length + n
+        have = 0 if self._k is None else self._k.shape[2]
+        if end > have:
+            if have == 0:
+                size = max(end, self.capacity) if self.reserve else end
+            else:
+                size = max(end, min(2 * have, self.capacity))
+            k = key_states.new_empty(*key_states.shape[:2], size, key_states.shape[3])
+            v = value_states.new_empty(*value_states.shape[:2], size, value_states.shape[3])
+            if have:
+                k[:, :, : self.length] = self._k[:, :, : self.length]
+                v[:, :, : self.length] = self._v[:, :, : self.length]
+            self._k, self._v = k, v
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def close(self) -> None:
+        self._k = self._v = self.keys = self.values = None
+
+
+@dataclass
+class _InFlight:
+    selection: Selection | None  # None: every row
+    transfer: Future
+    issued_at: int
+
+
+@dataclass(eq=False)
+class OffloadedLayer(SessionLayer):
+    """A layer whose whole KV lives in a slow tier (see the module docstring).
+
+    role:     ``fetch_all`` (every row, every decode step) or ``select`` (the selector's rows);
+    adapter:  computes this layer's query from a normalized input (for selectors that need one);
+    storage:  builds the tier at the first update; positions: which cached positions are real.
+    """
+
+    index: int
+    role: str
+    adapter: Any
+    storage: Storage
+    positions: Positions
+    counters: CacheCounters
+    selector: Selector | None = None
+    pooled: bool = False
+    measure_recall: bool = False
+    tier: KVTier | None = None
+    length: int = 0
+    stats: LayerStats = field(default_factory=LayerStats)
+
+    def __post_init__(self) -> None:
+        CacheLayerMixin.__init__(self)
+        if self.role == "fetch_all":
+            self.selector = None
+        self.state = self.selector.new_state(self.index) if self.selector is not None else None
+        self._in_flight: _InFlight | None = None
+        self._selection: Selection | None = None  # what the current step attends ...
+        self._attend_valid: torch.Tensor | None = None  # ... as a mask over (rows, current token)
+
+    # ------------------------------------------------------------------ the session's hooks
+    def own_input(self, x: torch.Tensor, position_embeddings) -> None:
+        """This layer's input arrived: issue what nobody issued ahead (layer 0, or a selector
+        that needs this layer's own query)."""
+        if self._decoding(x) and self._in_flight is None:
+            self._issue(x, position_embeddings, issued_at=self.index)
+
+    def previous_input(self, x: torch.Tensor, position_embeddings) -> None:
+        """The previous layer's input arrived: issue this layer's transfer now, so that it runs
+        while the previous layer computes — unless the selector needs this layer's own query."""
+        own_query = self.selector is not None and self.selector.query_from == "own"
+        if self._decoding(x) and self._in_flight is None and not own_query:
+            self._issue(x, position_embeddings, issued_at=self.index - 1)
+
+    def _decoding(self, x: torch.Tensor) -> bool:
+        return x.shape[1] == 1 and self.length > 0 and self.tier is not None
+
+    @torch.no_grad()
+    def _issue(self, x: torch.Tensor, position_embeddings, issued_at: int) -> None:
+        if self.selector is None:
+            selection = None
+            transfer = self.tier.read_all_async(self.length, x.device, self.dtype)
+        else:
+            start = time.perf_counter()
+            query = None
+            if self.selector.query_from is not None:
+                xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+                query = self.adapter.queries(self.index, xf, position_embeddings)[:, :, -1]
+            selection = self.selector.select(self.state, self.index, query, self.length, self._valid(self.length))
+            self.counters.speculation_seconds += time.perf_counter() - start
+            transfer = self.tier.gather_async(selection.indices, selection.valid, x.device, self.dtype)
+        self._in_flight = _InFlight(selection, transfer, issued_at)
+        if self.counters.trace is not None:
+            self.counters.trace.append(TransferRecord(self.index, issued_at, self.length, selection))
+
+    def _valid(self, past: int) -> torch.Tensor:
+        """[B, Hkv, past]: the positions that exist for each KV head (real, still stored)."""
+        b, hkv = self.tier.batch, self.tier.kv_heads
+        valid = self.positions.upto(b, past, self.device)[:, None, :].expand(b, hkv, past)
+        present = self.tier.present(past)
+        return valid if present is None else valid & present.to(valid.device)
+
+    # ------------------------------------------------------------------ transformers' layer API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new KV and return what this step attends: the rows read back (waited on
+        here, and only here) followed by the new positions; at the prefill, the new KV itself."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, hkv, n, d = key_states.shape
+        past = self.length
+        self._selection = self._attend_valid = None
+        # Resolve this layer's transfer before the tier is written (it is never written while read).
+        in_flight, self._in_flight = self._in_flight, None
+        if past > 0 and (n > 1 or in_flight is None):  # a prefill chunk after the first, or nothing issued
+            if in_flight is not None:
+                in_flight.transfer.result()
+            transfer = self.tier.read_all_async(past, key_states.device, key_states.dtype)
+            in_flight = _InFlight(None, transfer, self.index)
+        fetched = self._wait(in_flight.transfer) if past > 0 else None
+
+        if self.tier is None:
+            self.tier = self.storage.new_tier(b, hkv, d, key_states.dtype, pooled=self.pooled, positions=n)
+        new_valid = self.positions.upto(b, past + n, key_states.device)[:, past:]
+        self.tier.append(key_states, value_states, new_valid)
+        if self.selector is not None:
+            self.selector.on_append(self.state, self.index, key_states, new_valid)
+        self.length += n
+
+        if fetched is None:
+            return key_states, value_states  # prefill: dense, from the freshly computed KV
+        k_old, v_old = fetched
+        selection = in_flight.selection
+        if selection is not None:
+            self._selection = selection
+            self._attend_valid = torch.cat([selection.valid, selection.valid.new_ones(b, hkv, 1)], -1)
+            self._count_step(self._fraction(selection, past))
+        elif n == 1:
+            self._count_step(1.0)
+        return (
+            torch.cat([k_old.to(key_states.dtype), key_states], dim=-2),
+            torch.cat([v_old.to(value_states.dtype), value_states], dim=-2),
+        )
+
+    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if self._attend_valid is None:
+            if query.shape[2] > 1 and self.selector is not None:  # a prefill: the selector may want its weights
+                sc = query.shape[-1] ** -0.5 if scaling is None else scaling
+                valid = self.positions.upto(query.shape[0], key.shape[2], query.device)
+                self.selector.on_prefill(self.state, self.index, PrefillAttention(query, key, valid, sc))
+            return dense_attention(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+        sc = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out, probs = attend_selection(query, key, value, self._attend_valid, sc)
+        p = probs[:, :, -1]
+        self.selector.observe(self.state, self.index, self._selection, p[..., :-1], p[..., -1])
+        if self.measure_recall and self.tier.present(self.length) is None:
+            self._record_recall(query, sc)
+        return out, None
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _wait(self, transfer: Future) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        out = transfer.result()
+        waited = time.perf_counter() - start
+        self.stats.wait_seconds += waited
+        self.counters.wait_seconds += waited
+        return out
+
+    def _fraction(self, selection: Selection, past: int) -> torch.Tensor:
+        """Mean over (batch, KV head) rows of selected / real context (no host sync)."""
+        context = self.positions.upto(selection.valid.shape[0], past, selection.valid.device).sum(-1)
+        ctx = context.clamp(min=1).to(torch.float32)[:, None]
+        return (selection.counts.to(torch.float32) / ctx).mean()
+
+    def _count_step(self, fraction) -> None:
+        self.stats.steps += 1
+        if isinstance(fraction, torch.Tensor):
+            fraction = fraction.to(torch.float64)
+        self.stats.fraction_sum = self.stats.fraction_sum + fraction
+
+    def _record_recall(self, query: torch.Tensor, scaling: float) -> None:
+        """Attention mass of the selection under the true (dense) attention — evaluation only."""
+        k_all, _ = self.tier.peek_all()
+        past = self.length - 1
+        h = query.shape[1]
+        k = k_all[:, :, :past].to(query.device, torch.float32).repeat_interleave(h // k_all.shape[1], dim=1)
+        # Softmax over all cached positions and the current token; recall counts cached ones only.
+        scores = torch.matmul(query[:, :, -1:].to(torch.float32), k.transpose(-1, -2))[:, :, 0] * scaling
+        real = self.positions.upto(query.shape[0], past, query.device)
+        probs = torch.softmax(scores.masked_fill(~real[:, None, :], -math.inf), dim=-1)
+        self.stats.recall_sum += attention_recall(probs, self._selection).mean().item()
+        self.stats.recall_n += 1
+
+    def close(self) -> None:
+        """Wait for the transfer in flight and release the tier (remove its file)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            try:
+                in_flight.transfer.result()
+            except Exception:
+                pass
+        if self.tier is not None:
+            self.stats.evictions, self.stats.pool_slots = self.pool_counts()
+            self.tier.close()
+            self.tier = None
+
+    def pool_counts(self) -> tuple[int, int]:
+        """(positions evicted, rows the capped host pool holds); zeros without a pool."""
+        if self.tier is None:
+            return self.stats.evictions, self.stats.pool_slots
+        slots = self.tier.capacity * self.tier.batch * self.tier.kv_heads if isinstance(self.tier, PooledTier) else 0
+        return self.tier.evictions, slots

@@ -1,0 +1,34 @@
+"""What a benchmark or evaluation row must carry to be reproducible: the code and the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def commit() -> str:
+    """The short commit of the checkout the package runs from ('unknown' outside git)."""
+    try:
+        root = Path(__file__).resolve().parents[2]
+        return subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    info["cpus"] = os.cpu_count()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line for line in f if line.startswith("model name"))
+        info["cpu"] = model.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        pass
+    info["cuda"] = torch.cuda.is_available()
+    return info

@@ -1,0 +1,41 @@
+"""Selectors: InfiniGen and the selecting baselines it is measured against, one file each, one
+signature (`Selector.select(state, layer, query, past, valid) -> Selection`).
+
+`dense`, `full` and `int4` are not selectors: they are placements and storage formats
+(`infinigen.config.POLICIES`), so a policy without a selector reads every row.
+"""
+
+from __future__ import annotations
+
+from infinigen.config import POLICIES, InfiniGenConfig
+from infinigen.select.base import Selector
+from infinigen.select.h2o import H2OSelector
+from infinigen.select.infinigen import InfiniGenSelector, projections_from_artifact
+from infinigen.select.oracle import OracleSelector
+from infinigen.select.quest import QuestSelector
+from infinigen.select.streaming import StreamingSelector
+
+SELECTORS: dict[str, type[Selector]] = {
+    cls.name: cls for cls in (InfiniGenSelector, H2OSelector, StreamingSelector, QuestSelector, OracleSelector)
+}
+
+
+def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool = False) -> Selector | None:
+    """The selector of `config.policy` (None for a policy that reads every row). InfiniGen's
+    needs the skew artifact (`folded`: the skew is already in the model's weights)."""
+    name = POLICIES[config.policy].selector
+    if name is None:
+        return None
+    cls = SELECTORS[name]
+    knobs = config.knobs(cls.Knobs)
+    if cls is InfiniGenSelector:
+        if artifact is None:
+            raise ValueError("the infinigen selector needs the skew artifact of an attach session")
+        device = next(adapter.model.parameters()).device
+        return InfiniGenSelector(knobs, adapter, projections_from_artifact(artifact, adapter.head_dim, folded, device))
+    if cls is OracleSelector:
+        return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())
+    return cls(knobs, adapter)
+
+
+__all__ = ["SELECTORS", "Selector", "make_selector"]

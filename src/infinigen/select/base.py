@@ -1,0 +1,77 @@
+"""The one question every selector answers: which cached positions of layer i does this decode
+step need? InfiniGen and every selecting baseline implement it here, so the cache, the evaluator
+and the benchmark drive them all through the same calls.
+
+A selector is stateless; what it remembers about a layer (partial keys, page bounds, accumulated
+attention) lives in a per-layer state object it creates, so that one selector serves every layer
+of a cache and the evaluator can replay the exact same calls.
+
+Call order for one layer: `on_append` of the prefill's keys, `on_prefill`; then per decode step
+`select` (for the coming step, before its key exists), `on_append` of the step's key, `observe`
+of the step's attention weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from infinigen.config import SelectionBudget
+from infinigen.speculate import Selection
+
+
+class PrefillWeights(Protocol):
+    def column_sums(self) -> torch.Tensor:
+        """[B, Hkv, T]: the prefill's attention weights summed over its queries and each GQA group."""
+
+
+class Selector:
+    """Base class of every selector.
+
+    `query_from` says which query `select` is given, and so when the layer can ask:
+      ``"previous"``: layer i's query computed from layer i-1's normalized input — InfiniGen's
+                      speculation, asked one layer ahead so that the fetch overlaps layer i-1;
+      ``"own"``:      layer i's true query — asked at layer i, so the fetch cannot overlap;
+      ``None``:       no query (position or history only) — asked one layer ahead.
+    """
+
+    name: ClassVar[str]
+    Knobs: ClassVar[type] = SelectionBudget
+    query_from: ClassVar[str | None] = None
+
+    def __init__(self, knobs: Any, adapter: Any) -> None:
+        """knobs: an instance of `Knobs`; adapter: what the selector may know of the model
+        (`num_kv_heads`, `scaling(layer)`)."""
+        self.knobs = knobs
+        self.adapter = adapter
+
+    def new_state(self, layer: int) -> Any:
+        return None
+
+    def on_append(self, state: Any, layer: int, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """New positions of the layer: keys [B, Hkv, n, d] as computed (post-RoPE); valid [B, n]
+        (False at padding). During decode: after the step's `select`, before its attention."""
+
+    def on_prefill(self, state: Any, layer: int, weights: PrefillWeights) -> None:
+        """The prefill's attention, computed only if asked for (`weights.column_sums()`)."""
+
+    def select(self, state: Any, layer: int, query: torch.Tensor | None, past: int, valid: torch.Tensor) -> Selection:
+        """Positions of [0, past) the coming step attends, per (batch, KV head).
+
+        query: [B, H, d] post-RoPE, unscaled (see `query_from`), or None; valid: [B, Hkv, past],
+        the positions that exist (real tokens still stored)."""
+        raise NotImplementedError
+
+    def observe(
+        self, state: Any, layer: int, selection: Selection, probs: torch.Tensor, self_prob: torch.Tensor
+    ) -> None:
+        """The step's attention weights: probs [B, H, n] on the selection's slots, self_prob
+        [B, H] on the current token."""
+
+    def describe(self) -> dict[str, Any]:
+        """The selector and its knobs, JSON-safe."""
+        knobs = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self.knobs).items()}
+        return {"policy": self.name, **knobs}

@@ -1,0 +1,105 @@
+"""Calibration: run the model once over real text, capture every layer's queries and keys, and
+compute the skew artifact from them.
+
+For RoPE models the queries are rotated by position before the dot product, so the statistics
+depend on position: calibration runs over a sequence as long as the contexts to be decoded.
+The capture observes the model through forward pre-hooks that are removed before it returns.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib import resources
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from infinigen.models import ModelAdapter
+from infinigen.skew.artifact import SkewArtifact, model_fingerprint
+from infinigen.skew.channels import skew_from_qk
+
+MAX_DEFAULT_CALIBRATION = 8192
+
+
+def calibration_text() -> str:
+    """The calibration prose shipped with the package (Milton, *Areopagitica*, 1644; public domain)."""
+    return resources.files("infinigen.data").joinpath("areopagitica.txt").read_text(encoding="utf-8")
+
+
+def default_calibration_tokens(adapter: ModelAdapter) -> int:
+    return int(min(adapter.max_positions, MAX_DEFAULT_CALIBRATION))
+
+
+def calibration_ids(tokenizer, num_tokens: int, text: str | None = None) -> torch.Tensor:
+    """`num_tokens` ids of real prose: the end of the shipped text (its opening is the demo
+    prompt, so the two never overlap), repeated if the model's context is longer."""
+    text = text if text is not None else calibration_text()
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if ids.numel() < num_tokens:
+        ids = ids.repeat(math.ceil(num_tokens / ids.numel()))
+        return ids[:num_tokens][None]
+    return ids[-num_tokens:][None]
+
+
+def synthetic_calibration_ids(vocab_size: int, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Seeded random ids, for models that come without a tokenizer (tiny test models)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, num_tokens), generator=g)
+
+
+@torch.no_grad()
+def collect_qk(model: nn.Module, adapter: ModelAdapter, input_ids: torch.Tensor, progress: bool = True):
+    """Run the model once and capture, per layer, its queries and keys as the dot product
+    sees them (post-RoPE), by recomputing them from each attention module's normalized input."""
+    mods = adapter.attention_modules()
+    qs: dict[int, torch.Tensor] = {}
+    ks: dict[int, torch.Tensor] = {}
+    bar = tqdm(total=len(mods), desc="calibrating skew", unit="layer", disable=not progress)
+    handles = []
+    for i, mod in enumerate(mods):
+
+        def hook(module, args, kwargs, i=i):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            pe = kwargs.get("position_embeddings")
+            qs[i] = adapter.queries(i, x, pe)[0].to(torch.float32).cpu()  # [H, T, d]
+            ks[i] = adapter.keys(i, x, pe)[0].to(torch.float32).cpu()  # [Hkv, T, d]
+            bar.update(1)
+
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        device = next(model.parameters()).device
+        model(input_ids=input_ids.to(device), use_cache=False, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+        bar.close()
+    return qs, ks
+
+
+def calibrate(
+    model: nn.Module,
+    adapter: ModelAdapter,
+    input_ids: torch.Tensor,
+    partial_ratio: float,
+    skewed: bool = True,
+    fingerprint: str | None = None,
+    progress: bool = True,
+) -> SkewArtifact:
+    """Compute the skew artifact of a (not yet folded) model from calibration ids [1, T]."""
+    qs, ks = collect_qk(model, adapter, input_ids, progress=progress)
+    skews: dict[int, torch.Tensor | None] = {}
+    channels: dict[int, torch.Tensor] = {}
+    for i in range(adapter.num_layers):
+        a, c = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, partial_ratio, skewed)
+        skews[i] = a if skewed else None
+        channels[i] = c
+    return SkewArtifact(
+        skews=skews,
+        channels=channels,
+        fingerprint=fingerprint or model_fingerprint(model),
+        partial_ratio=float(partial_ratio),
+        skewed=skewed,
+        calibration_tokens=int(input_ids.shape[-1]),
+        meta={"model_type": str(model.config.model_type)},
+    )

@@ -1,0 +1,63 @@
+"""Host RAM: the trivial slow tier, and the reference every other tier must match bit for bit."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from infinigen.storage.base import KVTier, TransferStats, scatter_rows
+
+
+class RamTier(KVTier):
+    """One layer's K and V in host memory, grown by doubling."""
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats) -> None:
+        super().__init__(batch, kv_heads, head_dim, dtype, stats)
+        self._k = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype)
+        self._v = torch.empty_like(self._k)
+
+    def _grow(self, need: int) -> None:
+        cap = self._k.shape[2]
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap, 256)
+        k = torch.empty(self.batch, self.kv_heads, new_cap, self.head_dim, dtype=self.dtype)
+        v = torch.empty_like(k)
+        k[:, :, : self.length] = self._k[:, :, : self.length]
+        v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v = k, v
+
+    def _append(self, keys, values, valid) -> None:
+        n = keys.shape[2]
+        self._grow(self.length + n)
+        self._k[:, :, self.length : self.length + n] = keys.detach().to("cpu", self.dtype)
+        self._v[:, :, self.length : self.length + n] = values.detach().to("cpu", self.dtype)
+        self.length += n
+
+    def _gather(self, indices, valid, device, dtype):
+        start = time.perf_counter()
+        flat = valid.nonzero(as_tuple=True)  # (b, h, slot) of the rows that move
+        pos = indices[flat]
+        k, v = scatter_rows(
+            flat,
+            self._k[flat[0], flat[1], pos],
+            self._v[flat[0], flat[1], pos],
+            (*indices.shape, self.head_dim),
+            device,
+            dtype,
+        )
+        rows = int(pos.numel())
+        self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
+        return k, v
+
+    def _read_all(self, upto, device, dtype):
+        start = time.perf_counter()
+        k = self._k[:, :, :upto].to(device, dtype, copy=True)
+        v = self._v[:, :, :upto].to(device, dtype, copy=True)
+        rows = self.batch * self.kv_heads * upto
+        self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
+        return k, v
+
+    def peek_all(self):
+        return self._k[:, :, : self.length], self._v[:, :, : self.length]

@@ -1,0 +1,120 @@
+"""The package's layering, read from its source: no import cycles, and nothing below points up.
+
+Data flows one way — config → attach → cache → layers → selectors and storage — so a module may
+import only modules of its own layer or below it (docs/architecture.md). Imports inside
+functions count too: a deferred import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "infinigen"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = deps
+    return graph
+
+
+def test_there_are_no_import_cycles():
+    graph = import_graph()
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep) :] + [dep] if dep in stack else [node, dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+# What each part of the package must never depend on, directly or through another module.
+FORBIDDEN = {
+    "infinigen.speculate": ("transformers", "infinigen."),
+    "infinigen.storage": ("infinigen.select", "infinigen.attention", "infinigen.layers", "infinigen.cache"),
+    "infinigen.select": ("infinigen.cache", "infinigen.layers", "infinigen.attach", "infinigen.attention"),
+    "infinigen.layers": ("infinigen.cache", "infinigen.attach"),
+    "infinigen.cache": ("infinigen.attach",),
+    "infinigen.models": ("infinigen.cache", "infinigen.layers", "infinigen.attach", "infinigen.select"),
+    "infinigen.skew": ("infinigen.cache", "infinigen.layers", "infinigen.attach", "infinigen.select"),
+}
+
+
+@pytest.mark.parametrize("part", sorted(FORBIDDEN))
+def test_nothing_below_points_up(part):
+    graph = import_graph()
+    mods = [m for m in graph if m == part or m.startswith(part + ".")]
+    for mod in mods:
+        reached = _reach(graph, mod) - set(mods)
+        for bad in FORBIDDEN[part]:
+            hits = sorted(r for r in reached if r.startswith(bad) or r == bad.rstrip("."))
+            assert not hits, f"{mod} depends on {hits}"
+    if part == "infinigen.speculate":
+        text = (SRC / "speculate.py").read_text(encoding="utf-8")
+        assert "transformers" not in text and "from infinigen" not in text
+
+
+def test_selectors_and_storage_do_not_know_each_other():
+    """Siblings below the layers: neither imports the other (the config, above both, may use
+    storage's rule of which tier holds which format)."""
+    graph = import_graph()
+    for mod, deps in graph.items():
+        if mod.startswith("infinigen.select"):
+            assert not [d for d in deps if d.startswith("infinigen.storage")], mod
+        if mod.startswith("infinigen.storage"):
+            assert not [d for d in deps if d.startswith(("infinigen.select", "infinigen.config"))], mod
+
+
+def test_only_attach_changes_a_model():
+    """The calls that change a model for longer than one call appear in attach.py only
+    (calibration observes the model through hooks it removes before returning)."""
+    mutators = ("set_attn_implementation(", "fold_skew(", "model.generate =")
+    for path in SRC.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        for call in mutators:
+            if call in text and path.name not in ("attach.py", "base.py", "opt.py"):
+                pytest.fail(f"{path.relative_to(SRC)} calls {call}")
+    hooks = [p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py") if "register_forward_pre_hook" in p.read_text()]
+    assert sorted(hooks) == ["attach.py", "skew/calibrate.py"]

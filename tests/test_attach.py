@@ -1,0 +1,119 @@
+"""`attach` is the only code that changes a model, and leaving it restores the model exactly."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import left_padded_batch, tiny_model
+from infinigen import InfiniGenCache, InfiniGenConfig, attach
+
+CFG = InfiniGenConfig(calibration_tokens=64)
+
+
+def snapshot(model):
+    """Everything attach may touch: parameters (bit for bit), every module's attributes and
+    hooks, the attention implementation, and whether `generate` is the class's own."""
+    return {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "modules": {name: sorted(vars(m)) for name, m in model.named_modules()},
+        "hooks": {
+            name: (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._forward_pre_hooks_with_kwargs))
+            for name, m in model.named_modules()
+        },
+        "attn": model.config._attn_implementation,
+        "own_generate": "generate" in vars(model),
+        "config": model.config.to_dict(),
+    }
+
+
+def assert_same(before, after):
+    assert before["params"].keys() == after["params"].keys()
+    for k, v in before["params"].items():
+        assert torch.equal(v, after["params"][k]), k
+    for key in ("modules", "hooks", "attn", "own_generate", "config"):
+        assert before[key] == after[key], key
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "qwen2"])
+def test_leaving_the_block_restores_the_model_exactly(family):
+    model = tiny_model(family)
+    ids, mask = left_padded_batch()
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    before = snapshot(model)
+    with attach(model, CFG, progress=False) as session:
+        assert model.config._attn_implementation == "infinigen" and "generate" in vars(model)
+        assert session.folded == (family == "opt")  # no RoPE: the skew is folded into W_q, W_k
+        if session.folded:
+            assert not torch.equal(before["params"]["model.decoder.layers.2.self_attn.q_proj.weight"],
+                                   model.state_dict()["model.decoder.layers.2.self_attn.q_proj.weight"])  # fmt: skip
+        # the folded (or hooked) model computes the same function
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, logits, rtol=1e-4, atol=1e-4)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+    assert_same(before, snapshot(model))
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, logits)
+
+
+def test_an_exception_inside_the_block_restores_the_model_too():
+    model = tiny_model("opt")
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with attach(model, CFG, progress=False):
+            raise RuntimeError("boom")
+    assert_same(before, snapshot(model))
+    with attach(model, CFG, progress=False):  # and it can be attached again
+        pass
+    assert_same(before, snapshot(model))
+
+
+def test_plain_generate_inside_the_block_uses_an_infinigen_cache():
+    model = tiny_model("mistral")
+    ids, mask = left_padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref = model.generate(**kw)
+    with attach(model, CFG.replace(alpha=math.inf), progress=False) as session:
+        out = model.generate(**kw)
+        summary = session.last_cache.summary()
+    assert torch.equal(out, ref)
+    assert summary["decode_steps"] == 3 and summary["fetched_fraction"] == pytest.approx(1.0)
+
+
+def test_one_session_at_a_time_and_none_after_detach():
+    model = tiny_model("llama")
+    session = attach(model, CFG, progress=False)
+    with pytest.raises(RuntimeError, match="already attached"):
+        attach(model, CFG, progress=False)
+    session.detach()
+    session.detach()  # idempotent
+    with pytest.raises(RuntimeError, match="detached"):
+        session.new_cache()
+
+
+def test_a_cache_needs_a_session_and_says_how():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match=r"attach\(model, config\) as session"):
+        InfiniGenCache(model, CFG)
+
+
+def test_one_session_serves_configs_with_other_skew_settings():
+    """RoPE models apply the skew at run time: one session loads each artifact it is asked for."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch()
+    with attach(model, CFG, progress=False) as session:
+        sparse = CFG.replace(alpha=1.0, min_tokens=2)
+        for cfg in (
+            sparse.replace(partial_ratio=0.5),
+            sparse.replace(skew=False),
+            sparse.replace(policy="h2o", budget=0.3),
+        ):
+            cache = session.new_cache(cfg)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, past_key_values=cache, pad_token_id=0)
+            assert 0 < cache.summary()["fetched_fraction"] < 1
+
+
+def test_a_folded_session_refuses_a_config_with_another_skew():
+    model = tiny_model("opt")
+    with attach(model, CFG, progress=False) as session:
+        with pytest.raises(ValueError, match="folded into its weights.*attach again"):
+            session.new_cache(CFG.replace(partial_ratio=0.5))
+        session.new_cache(CFG.replace(policy="quest", budget=0.2))  # other selectors need no skew
