@@ -136,7 +136,9 @@ def test_bit_identical_to_ram(kv_dir, dtype, d):
             assert torch.equal(kr, kd) and torch.equal(vr, vd)
 
 
-def test_decode_appends_write_one_block_per_region(kv_dir, monkeypatch):
+def test_decode_appends_write_whole_blocks_behind(kv_dir, monkeypatch):
+    """A decode step only fills the RAM tail; a full block is written once, by the I/O thread;
+    the tail's rows are served from RAM (cached bytes), equal to the RAM tier's."""
     gen = torch.Generator().manual_seed(1)
     ram, disk = _pair(kv_dir)
     with disk:
@@ -149,10 +151,26 @@ def test_decode_appends_write_one_block_per_region(kv_dir, monkeypatch):
             return real(fd, buf, off)
 
         monkeypatch.setattr(os, "pwrite", counting)
-        _append_both(ram, disk, 1, gen)
+        per_block = disk.block_size // disk.record_bytes
+        to_fill = per_block - PREFILL % per_block
+        for _ in range(to_fill - 1):
+            _append_both(ram, disk, 1, gen)
+        disk.flush()
+        assert writes == []  # still a partial block: RAM only
+
+        disk.stats.reset()
+        recent = torch.arange(disk.length - 3, disk.length).expand(B, H, 3).contiguous()
+        ok = torch.ones_like(recent, dtype=torch.bool)
+        kd, vd = disk.gather(recent, ok, torch.device("cpu"), torch.float32)
+        kr, vr = ram.gather(recent, ok, torch.device("cpu"), torch.float32)
+        assert torch.equal(kd, kr) and torch.equal(vd, vr)
+        assert disk.stats.cached_bytes == disk.stats.bytes == B * H * 3 * disk.row_bytes  # nothing from disk
+
+        _append_both(ram, disk, 1, gen)  # fills the block
+        disk.flush()
         assert writes == [(disk.block_size, 0)] * (B * H)
         writes.clear()
-        _append_both(ram, disk, 50, gen)  # a chunk: one write per region
+        _append_both(ram, disk, 50, gen)  # a chunk: one write per region, before it returns
         assert len(writes) == B * H
         assert torch.equal(ram.peek_all()[0], disk.peek_all()[0])
 
@@ -355,7 +373,13 @@ def test_short_read_and_write_raise(kv_dir, monkeypatch):
         real_write = os.pwrite
         monkeypatch.setattr(os, "pwrite", lambda fd, buf, off: real_write(fd, buf, off) - 512)
         with pytest.raises(KVStorageError, match="short write"):
-            _append_both(ram, disk, 1, gen)
+            _append_both(ram, disk, 30, gen)  # a chunk writes before it returns
+        # A decode step's block is written behind: its failure is reported by the next call.
+        per_block = disk.block_size // disk.record_bytes
+        with pytest.raises(KVStorageError, match="short write"):
+            for _ in range(per_block + 1):
+                disk.append(torch.zeros(B, H, 1, D), torch.zeros(B, H, 1, D))
+            disk.flush()
 
 
 def test_capacity_and_bad_selections(kv_dir):

@@ -46,16 +46,20 @@ def attend_selection(
     """Attention of one decode position over selected rows and itself, in fp32.
 
     query [B, H, 1, d]; key, value [B, Hkv, n + 1, d] (the fetched rows, then the current token);
-    valid [B, Hkv, n + 1] (False at the padding slots of a ragged selection). Returns the
-    output [B, 1, H, d] in the query's dtype and the weights [B, H, 1, n + 1]."""
-    h, hkv = query.shape[1], key.shape[1]
-    k = key.repeat_interleave(h // hkv, dim=1).to(torch.float32)
-    v = value.repeat_interleave(h // hkv, dim=1).to(torch.float32)
-    allowed = valid.repeat_interleave(h // hkv, dim=1)[:, :, None, :]
-    scores = torch.matmul(query.to(torch.float32), k.transpose(-1, -2)) * scaling
-    probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
-    out = torch.matmul(probs, v).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), probs
+    valid [B, Hkv, n + 1] (False at the padding slots of a ragged selection). Each KV head's
+    group of H / Hkv query heads attends its rows as one [G, n + 1] product: no row is copied
+    per query head. Returns the output [B, 1, H, d] in the query's dtype and the weights
+    [B, H, 1, n + 1]."""
+    b, h, _, d = query.shape
+    hkv, n1 = key.shape[1], key.shape[2]
+    q = query.reshape(b, hkv, h // hkv, d).to(torch.float32)  # head j of the group of KV head j // G
+    k = key if key.dtype == torch.float32 else key.to(torch.float32)
+    v = value if value.dtype == torch.float32 else value.to(torch.float32)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hkv, G, n + 1]
+    scores = scores.masked_fill(~valid[:, :, None, :], -math.inf)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v).to(query.dtype)  # [B, Hkv, G, d]
+    return out.reshape(b, 1, h, d), probs.reshape(b, h, 1, n1)
 
 
 def register_attention() -> None:

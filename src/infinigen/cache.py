@@ -8,6 +8,7 @@ Get one from an attach session (``session.new_cache()``): the session's hooks dr
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -87,6 +88,8 @@ class InfiniGenCache(SessionCache):
         )
         self.positions = Positions()
         self.counters = CacheCounters(trace=[] if trace else None)
+        # Selection and fetch of a layer run here while the compute thread finishes the layer before.
+        self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="infinigen-prefetch") if selector else None
         layers: list[Any] = []
         for i, role in enumerate(roles):
             if role == "compute":
@@ -104,6 +107,7 @@ class InfiniGenCache(SessionCache):
                         selector,
                         pooled=pooled,
                         measure_recall=config.measure_recall,
+                        prefetch=self.prefetch,
                     )  # fmt: skip
                 )
         super().__init__(layers=layers)
@@ -160,6 +164,8 @@ class InfiniGenCache(SessionCache):
         """Release the tiers (remove disk files) and their threads; the cache is unusable afterwards."""
         for layer in self.layers:
             layer.close()
+        if self.prefetch is not None:
+            self.prefetch.shutdown(wait=True)
         self.storage.close()
 
     def __enter__(self) -> InfiniGenCache:
@@ -205,6 +211,7 @@ class InfiniGenCache(SessionCache):
             "fetched_fraction": fetched,
             "recall": sum(recalls) / len(recalls) if recalls else None,
             "bytes_fetched": stats.bytes,
+            "bytes_cached": stats.cached_bytes,
             "rows_fetched": stats.rows,
             "bytes_fetched_per_token": stats.bytes / tokens if c.decode_steps else 0.0,
             "speculation_seconds": c.speculation_seconds,

@@ -13,9 +13,10 @@ Both answer the session's hooks: `own_input` (this layer's normalized attention 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +25,9 @@ from transformers.cache_utils import CacheLayerMixin
 
 from infinigen.attention import attend_selection, dense_attention
 from infinigen.select import Selector
-from infinigen.speculate import PrefillAttention, Selection, attention_recall
+from infinigen.speculate import PrefillAttention, Selection, all_valid, attention_recall
 from infinigen.storage import KVTier, PooledTier, Storage
+from infinigen.storage.base import done_future
 
 
 class Positions:
@@ -35,12 +37,14 @@ class Positions:
 
     def __init__(self) -> None:
         self._valid: torch.Tensor | None = None  # [B, n]
+        self.padded = False  # whether any described position is padding
 
     def describe(self, start: int, valid: torch.Tensor) -> None:
         """valid [B, q]: which of the positions start .. start + q - 1 are real tokens."""
         b, q = valid.shape
         self._grow(b, start + q, valid.device)
         self._valid[:, start : start + q] = valid
+        self.padded = self.padded or not bool(valid.all())
 
     def upto(self, batch: int, length: int, device) -> torch.Tensor:
         """[B, length] bool: the real tokens among the first `length` positions."""
@@ -178,7 +182,7 @@ class ComputeLayer(SessionLayer):
 
 @dataclass
 class _InFlight:
-    selection: Selection | None  # None: every row
+    selects: bool  # the transfer delivers (selection, rows); else the rows of every position
     transfer: Future
     issued_at: int
 
@@ -201,6 +205,7 @@ class OffloadedLayer(SessionLayer):
     selector: Selector | None = None
     pooled: bool = False
     measure_recall: bool = False
+    prefetch: Executor | None = None  # the cache's prefetch thread (None: select and fetch inline)
     tier: KVTier | None = None
     length: int = 0
     stats: LayerStats = field(default_factory=LayerStats)
@@ -211,6 +216,7 @@ class OffloadedLayer(SessionLayer):
             self.selector = None
         self.state = self.selector.new_state(self.index) if self.selector is not None else None
         self._in_flight: _InFlight | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # where transfers land (see `_room`)
         self._selection: Selection | None = None  # what the current step attends ...
         self._attend_valid: torch.Tensor | None = None  # ... as a mask over (rows, current token)
 
@@ -233,27 +239,55 @@ class OffloadedLayer(SessionLayer):
 
     @torch.no_grad()
     def _issue(self, x: torch.Tensor, position_embeddings, issued_at: int) -> None:
+        """Start this layer's transfer for the coming step. Issued ahead (from the previous
+        layer's input), the selection and the fetch run on the cache's prefetch thread while the
+        compute thread goes on with the previous layer; issued at the layer itself, they run now."""
+        past = self.length
         if self.selector is None:
-            selection = None
-            transfer = self.tier.read_all_async(self.length, x.device, self.dtype)
-        else:
-            start = time.perf_counter()
-            query = None
-            if self.selector.query_from is not None:
-                xf = x if x.dtype == torch.float32 else x.to(torch.float32)
-                query = self.adapter.queries(self.index, xf, position_embeddings)[:, :, -1]
-            selection = self.selector.select(self.state, self.index, query, self.length, self._valid(self.length))
-            self.counters.speculation_seconds += time.perf_counter() - start
-            transfer = self.tier.gather_async(selection.indices, selection.valid, x.device, self.dtype)
-        self._in_flight = _InFlight(selection, transfer, issued_at)
+            transfer = self.tier.read_all_async(past, self.device, self.dtype, out=self._room(past + 1))
+            self._in_flight = _InFlight(False, transfer, issued_at)
+            if self.counters.trace is not None:
+                self.counters.trace.append(TransferRecord(self.index, issued_at, past, None))
+            return
+        job = functools.partial(self._select_and_fetch, x, position_embeddings, past, self._valid(past), issued_at)
+        ahead = issued_at < self.index and self.prefetch is not None
+        self._in_flight = _InFlight(True, self.prefetch.submit(job) if ahead else done_future(job), issued_at)
+
+    @torch.no_grad()
+    def _select_and_fetch(self, x: torch.Tensor, position_embeddings, past: int, valid: torch.Tensor, issued_at: int):
+        """Ask the selector, then fetch its rows into this layer's buffers: (selection, (k, v))."""
+        start = time.perf_counter()
+        query = None
+        if self.selector.query_from is not None:
+            xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+            query = self.adapter.queries(self.index, xf, position_embeddings)[:, :, -1]
+        selection = self.selector.select(self.state, self.index, query, past, valid)
+        self.counters.speculation_seconds += time.perf_counter() - start
         if self.counters.trace is not None:
-            self.counters.trace.append(TransferRecord(self.index, issued_at, self.length, selection))
+            self.counters.trace.append(TransferRecord(self.index, issued_at, past, selection))
+        out = self._room(selection.indices.shape[2] + 1)
+        rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self.dtype, out=out).result()
+        return selection, rows
+
+    def _room(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers [B, Hkv, >= rows, d] in the compute dtype that transfers write into and the new
+        token is appended to, so that a step copies each row once; grown by doubling. Slots a
+        ragged selection leaves unused hold finite stale rows, which attention masks out."""
+        have = 0 if self._rows is None else self._rows[0].shape[2]
+        if rows > have:
+            shape = (self.tier.batch, self.tier.kv_heads, max(rows, 2 * have), self.tier.head_dim)
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self._rows = (k, torch.zeros_like(k))
+        return self._rows
 
     def _valid(self, past: int) -> torch.Tensor:
-        """[B, Hkv, past]: the positions that exist for each KV head (real, still stored)."""
+        """[B, Hkv, past]: the positions that exist for each KV head (real, still stored);
+        `all_valid` when every one does (no padding, no capped pool), which costs nothing."""
         b, hkv = self.tier.batch, self.tier.kv_heads
-        valid = self.positions.upto(b, past, self.device)[:, None, :].expand(b, hkv, past)
         present = self.tier.present(past)
+        if present is None and not self.positions.padded:
+            return all_valid(b, hkv, past, self.device)
+        valid = self.positions.upto(b, past, self.device)[:, None, :].expand(b, hkv, past)
         return valid if present is None else valid & present.to(valid.device)
 
     # ------------------------------------------------------------------ transformers' layer API
@@ -270,9 +304,12 @@ class OffloadedLayer(SessionLayer):
         if past > 0 and (n > 1 or in_flight is None):  # a prefill chunk after the first, or nothing issued
             if in_flight is not None:
                 in_flight.transfer.result()
-            transfer = self.tier.read_all_async(past, key_states.device, key_states.dtype)
-            in_flight = _InFlight(None, transfer, self.index)
+            transfer = self.tier.read_all_async(past, self.device, self.dtype, out=self._room(past + n))
+            in_flight = _InFlight(False, transfer, self.index)
         fetched = self._wait(in_flight.transfer) if past > 0 else None
+        selection = None
+        if in_flight is not None and in_flight.selects:
+            selection, fetched = fetched
 
         if self.tier is None:
             self.tier = self.storage.new_tier(b, hkv, d, key_states.dtype, pooled=self.pooled, positions=n)
@@ -284,18 +321,17 @@ class OffloadedLayer(SessionLayer):
 
         if fetched is None:
             return key_states, value_states  # prefill: dense, from the freshly computed KV
-        k_old, v_old = fetched
-        selection = in_flight.selection
+        m = fetched[0].shape[2]
         if selection is not None:
             self._selection = selection
-            self._attend_valid = torch.cat([selection.valid, selection.valid.new_ones(b, hkv, 1)], -1)
+            self._attend_valid = torch.cat([selection.valid, selection.valid.new_ones(b, hkv, n)], -1)
             self._count_step(self._fraction(selection, past))
         elif n == 1:
             self._count_step(1.0)
-        return (
-            torch.cat([k_old.to(key_states.dtype), key_states], dim=-2),
-            torch.cat([v_old.to(value_states.dtype), value_states], dim=-2),
-        )
+        k_rows, v_rows = self._room(m + n)  # the fetched rows are its first m slots already
+        k_rows[:, :, m : m + n] = key_states
+        v_rows[:, :, m : m + n] = value_states
+        return k_rows[:, :, : m + n], v_rows[:, :, : m + n]
 
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         if self._attend_valid is None:
@@ -325,6 +361,8 @@ class OffloadedLayer(SessionLayer):
 
     def _fraction(self, selection: Selection, past: int) -> torch.Tensor:
         """Mean over (batch, KV head) rows of selected / real context (no host sync)."""
+        if not self.positions.padded:
+            return selection.counts.to(torch.float32).mean() / max(past, 1)
         context = self.positions.upto(selection.valid.shape[0], past, selection.valid.device).sum(-1)
         ctx = context.clamp(min=1).to(torch.float32)[:, None]
         return (selection.counts.to(torch.float32) / ctx).mean()
@@ -360,6 +398,7 @@ class OffloadedLayer(SessionLayer):
             self.stats.evictions, self.stats.pool_slots = self.pool_counts()
             self.tier.close()
             self.tier = None
+        self._rows = None
 
     def pool_counts(self) -> tuple[int, int]:
         """(positions evicted, rows the capped host pool holds); zeros without a pool."""

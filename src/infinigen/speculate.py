@@ -3,7 +3,9 @@
 Shapes: B batch, H query heads, Hkv KV heads (H = Hkv * G for a GQA group of size G),
 T cached positions, c partial channels. `valid` [B, Hkv, T] marks the positions of a layer that
 exist for each KV head: real tokens (not left padding) still stored (not evicted by a capped
-host pool). A budget is a fraction of a row's valid positions.
+host pool). When every position exists, callers may pass `all_valid(B, Hkv, T)`, an expanded
+view of one True that the functions here recognize in O(1) and never mask with. A budget is a
+fraction of a row's valid positions.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class Selection:
         return self.valid.sum(-1)
 
 
+def all_valid(batch: int, kv_heads: int, length: int, device=None) -> torch.Tensor:
+    """[B, Hkv, T] of True without memory: every position exists (no padding, nothing evicted)."""
+    return torch.ones((), dtype=torch.bool, device=device).expand(batch, kv_heads, length)
+
+
+def is_all_valid(valid: torch.Tensor) -> bool:
+    """Whether `valid` is an `all_valid` view (checked from its strides: O(1), no pass over it)."""
+    return valid.dim() > 0 and all(st == 0 for st in valid.stride()) and bool(valid.reshape(-1)[0])
+
+
 def partial_projection(skew: torch.Tensor | None, channels: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The columns of the skew that survive the channel choice, [Hkv, d, c]: projecting onto
     them equals skewing then gathering the channels, in one matmul (identity columns when
@@ -53,14 +65,14 @@ def project_partial(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
 def partial_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scaling: float) -> torch.Tensor:
     """Approximate attention logits from partial channels.
 
-    q_partial: [B, H, c] (one decode position); k_partial: [B, Hkv, T, c].
+    q_partial: [B, H, c] (one decode position); k_partial: [B, Hkv, T, c] — ideally a transposed
+    view of a [B, Hkv, c, T] buffer, which the matmul then streams contiguously.
     Returns [B, H, T].
     """
     b, h, c = q_partial.shape
     hkv = k_partial.shape[1]
-    q = q_partial.reshape(b, hkv, h // hkv, c).to(k_partial.dtype)
-    s = torch.einsum("bgjc,bgtc->bgjt", q, k_partial)
-    return (s * scaling).reshape(b, h, -1)
+    q = (q_partial.to(k_partial.dtype) * scaling).reshape(b, hkv, h // hkv, c)
+    return torch.matmul(q, k_partial.transpose(-1, -2)).reshape(b, h, -1)
 
 
 def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
@@ -78,14 +90,19 @@ def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int
     """
     b, h, t = scores.shape
     s = scores.to(torch.float32).reshape(b, num_kv_heads, h // num_kv_heads, t)
+    if is_all_valid(valid):
+        if how == "max":
+            return s.amax(2)
+        if how == "union":
+            return (s - s.amax(-1, keepdim=True)).amax(2)
     s = s.masked_fill(~valid[:, :, None, :], -math.inf)
     if how == "max":
-        g = s.amax(2)
-    elif how == "sum":
-        g = s.sum(2)
-    elif how == "union":
+        return s.amax(2)  # -inf where not valid already
+    if how == "union":
         top = s.amax(-1, keepdim=True)
-        g = (s - top.clamp(min=-1e30)).amax(2)
+        return (s - top.clamp(min=-1e30)).amax(2)  # -inf - top is -inf where not valid
+    if how == "sum":
+        g = s.sum(2)
     elif how == "mass":
         # a row without any real position gives NaN here; the padding mask below overwrites it
         g = torch.logsumexp(torch.log_softmax(s, -1), 2)
@@ -114,17 +131,24 @@ def select_positions(
     if t == 0:
         empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
         return Selection(empty, empty.bool())
-    ctx = valid.sum(-1)  # [B, Hkv]
     top = group_scores.amax(-1, keepdim=True)
-    keep = (group_scores >= (top - alpha)) & valid
-    kept = keep.sum(-1)
-    count = kept
-    cap = torch.ceil(ctx.to(torch.float64) * budget).to(torch.long)
-    if budget_tokens is not None:
-        cap = cap.clamp(max=budget_tokens)
-    count = torch.minimum(count, cap)
-    count = torch.maximum(count, torch.clamp(ctx, max=min_tokens))
-    count = torch.minimum(count, ctx)
+    keep = group_scores >= (top - alpha)
+    if is_all_valid(valid):  # every row's context is t: the cap and the floor are numbers
+        kept = keep.sum(-1)
+        cap = math.ceil(t * budget) if budget < 1 else t
+        if budget_tokens is not None:
+            cap = min(cap, budget_tokens)
+        count = kept.clamp(max=cap).clamp(min=min(t, min_tokens))
+    else:
+        keep &= valid
+        kept = keep.sum(-1)
+        ctx = valid.sum(-1)  # [B, Hkv]
+        cap = torch.ceil(ctx.to(torch.float64) * budget).to(torch.long)
+        if budget_tokens is not None:
+            cap = cap.clamp(max=budget_tokens)
+        count = torch.minimum(kept, cap)
+        count = torch.maximum(count, torch.clamp(ctx, max=min_tokens))
+        count = torch.minimum(count, ctx)
     n = int(count.max().item()) if count.numel() else 0
     if n == 0:
         empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
@@ -133,26 +157,33 @@ def select_positions(
     if bool(adjust.any()):
         # Rows whose count changed keep their top-`count` scores: threshold at the count-th best.
         k = int(count[adjust].max().item())
-        best = torch.topk(group_scores.masked_fill(~valid, -math.inf), k, dim=-1, sorted=True).values
+        ranked = group_scores if is_all_valid(valid) else group_scores.masked_fill(~valid, -math.inf)
+        best = torch.topk(ranked, k, dim=-1, sorted=True).values
         kth = best.gather(-1, (count - 1).clamp(min=0, max=k - 1)[..., None])  # used where adjust only
         keep = torch.where(adjust[..., None], (group_scores >= kth) & valid, keep)
-    rank = keep.long().cumsum(-1) - 1
-    keep &= rank < count[..., None]  # exact ties at the cut never push a row past its count
-    return selection_from_mask(keep)
+        rank = keep.long().cumsum(-1) - 1
+        keep &= rank < count[..., None]  # exact ties at the cut never push a row past its count
+    return selection_from_mask(keep, count)
 
 
-def selection_from_mask(keep: torch.Tensor) -> Selection:
+def selection_from_mask(keep: torch.Tensor, counts: torch.Tensor | None = None) -> Selection:
     """A boolean mask [B, Hkv, T] of chosen positions as a Selection (ascending indices,
-    padded to the largest row), without sorting: each kept position goes to its rank."""
+    padded to the largest row). `counts` [B, Hkv]: the mask's per-row sums, if known.
+
+    `nonzero` lists the chosen (b, h, t) in row-major order, so each row's positions arrive
+    ascending; a position's slot is its index in that list minus where its row starts."""
     b, hkv, t = keep.shape
-    counts = keep.sum(-1)
+    if counts is None:
+        counts = keep.sum(-1)
     n = int(counts.max().item()) if counts.numel() else 0
-    rank = keep.long().cumsum(-1) - 1
-    target = torch.where(keep, rank, torch.full_like(rank, n))
-    out = torch.zeros(b, hkv, n + 1, dtype=torch.long, device=keep.device)
-    out.scatter_(-1, target, torch.arange(t, device=keep.device).expand(b, hkv, t))
-    slot_valid = torch.arange(n, device=out.device)[None, None, :] < counts[..., None]
-    indices = torch.where(slot_valid, out[..., :n], torch.zeros_like(out[..., :n]))
+    indices = torch.zeros(b, hkv, n, dtype=torch.long, device=keep.device)
+    slot_valid = torch.arange(n, device=keep.device)[None, None, :] < counts[..., None]
+    if n:
+        nz = keep.nonzero()  # [m, 3]
+        row = nz[:, 0] * hkv + nz[:, 1]
+        starts = counts.flatten().cumsum(0) - counts.flatten()
+        slot = torch.arange(nz.shape[0], device=keep.device) - starts[row]
+        indices[nz[:, 0], nz[:, 1], slot] = nz[:, 2]
     return Selection(indices, slot_valid)
 
 

@@ -9,8 +9,11 @@ own — which streams that KV into the policy's tier exactly as a prefill would,
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import resource
 import subprocess
 import sys
@@ -96,10 +99,15 @@ def run_child(args: argparse.Namespace) -> dict:
         cache.counters.speculation_seconds = cache.counters.wait_seconds = 0.0
         step_times = []
         tokens = nxt
+        profiler = cProfile.Profile() if args.profile else None
         for _ in range(args.steps):
             t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             out = model(input_ids=tokens, past_key_values=cache, use_cache=True)
             tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+            if profiler is not None:
+                profiler.disable()
             step_times.append(time.perf_counter() - t0)
         s = cache.summary()
         peak = _peak_rss()
@@ -128,7 +136,18 @@ def run_child(args: argparse.Namespace) -> dict:
         "kv_cache_bytes": kv_bytes,
         "tier": cfg.tier if not dense else "compute",
         "config": cfg.to_dict(),
+        "profile": _profile_top(profiler, args.profile) if profiler is not None else None,
     }
+
+
+def _profile_top(profiler: cProfile.Profile, lines: int) -> str:
+    """The top `lines` functions of a decode profile by their own time (the compute thread only)."""
+    buf = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buf)
+    stats.sort_stats("tottime").print_stats(lines)
+    text = buf.getvalue()
+    start = text.find("ncalls")
+    return text[start:].rstrip() if start >= 0 else text.rstrip()
 
 
 # ---------------------------------------------------------------------- parent
@@ -243,7 +262,7 @@ def run_parent(args: argparse.Namespace) -> int:
                     cmd = [
                         sys.executable, "-m", "infinigen.bench.decode", "--child",
                         "--kv-file", str(kv_file), "--config-json", json.dumps(cfg.to_dict()), "--batch", str(b),
-                        "--steps", str(args.steps), "--threads", str(args.threads),
+                        "--steps", str(args.steps), "--threads", str(args.threads), "--profile", str(args.profile),
                     ]  # fmt: skip
                     if args.model:
                         cmd += ["--model", args.model]
@@ -275,6 +294,10 @@ def run_parent(args: argparse.Namespace) -> int:
     )
     print(table)
     print(note)
+    for r in rows:
+        if r.get("profile"):
+            print(f"\nprofile of {r['policy']} ctx={r['context']} B={r['batch']} (decode steps, by own time):")
+            print(r["profile"])
     meta = {
         "commit": commit(),
         "machine": machine(),
@@ -309,6 +332,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="results/bench")
+    ap.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="print the top N functions of a decode profile per run"
+    )
     add_arguments(ap, BENCH_DEFAULTS, skip=("policy",))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kv-file", default=None, help=argparse.SUPPRESS)

@@ -32,9 +32,16 @@ class ModelAdapter(ABC):
         self.max_positions: int = getattr(self.config, "max_position_embeddings", 2048)
         self.sliding_window: int | None = getattr(self.config, "sliding_window", None)
 
-    @abstractmethod
     def attention_modules(self) -> list[nn.Module]:
-        """The attention module of every decoder layer, in order."""
+        """The attention module of every decoder layer, in order (found once: the speculation
+        asks for one every layer of every step)."""
+        if getattr(self, "_attention_modules", None) is None:
+            self._attention_modules = self.find_attention_modules()
+        return self._attention_modules
+
+    @abstractmethod
+    def find_attention_modules(self) -> list[nn.Module]:
+        """Where this family keeps its attention modules."""
 
     @abstractmethod
     def queries(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:

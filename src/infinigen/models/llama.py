@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from infinigen.models.base import ModelAdapter
 
@@ -13,14 +12,17 @@ class LlamaLikeAdapter(ModelAdapter):
     family = "llama"
     has_rope = True
 
-    def attention_modules(self) -> list[nn.Module]:
+    def find_attention_modules(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.model.model.layers]
 
     def _rope(self, x: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """The model's rotary embedding of x [B, heads, T, d] (as `apply_rotary_pos_emb` does
+        for q, without rotating a k alongside)."""
         cos, sin = position_embeddings
-        # apply_rotary_pos_emb rotates a (q, k) pair; rotate x as both and keep one.
-        rotated, _ = apply_rotary_pos_emb(x, x[:, :1], cos, sin)
-        return rotated
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
 
     def queries(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
         attn = self.attention_modules()[layer]

@@ -21,7 +21,7 @@ class OPTAdapter(ModelAdapter):
             )
         self.sliding_window = None
 
-    def attention_modules(self) -> list[nn.Module]:
+    def find_attention_modules(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.model.model.decoder.layers]
 
     def queries(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:

@@ -4,15 +4,18 @@ and fetch only those — one layer ahead, so the fetch overlaps layer i-1 (Lee e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+import infinigen.kernels as kernels
 from infinigen.config import SpeculationKnobs
+from infinigen.growing import GrowingTensor
 from infinigen.select.base import Selector
 from infinigen.speculate import (
     Selection,
     aggregate_group,
+    is_all_valid,
     partial_projection,
     partial_scores,
     project_partial,
@@ -22,9 +25,16 @@ from infinigen.speculate import (
 
 @dataclass
 class PartialKeys:
-    """K̃ of one layer: the keys on the partial channels, kept with the compute."""
+    """K̃ of one layer: the keys on the partial channels, kept with the compute, stored
+    channel-major ([B, Hkv, c, T]) so that scoring streams it contiguously, and grown in place."""
 
-    keys: torch.Tensor | None = None  # [B, Hkv, T, c]
+    buffer: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=-1))
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """[B, Hkv, T, c] (a transposed view)."""
+        data = self.buffer.data
+        return None if data is None else data.transpose(-1, -2)
 
 
 class InfiniGenSelector(Selector):
@@ -46,7 +56,7 @@ class InfiniGenSelector(Selector):
 
     def on_append(self, state: PartialKeys, layer, keys, valid) -> None:
         kp = project_partial(keys, self.proj[layer]).to(keys.dtype)  # scored every step: compute dtype
-        state.keys = kp if state.keys is None else torch.cat([state.keys, kp], dim=-2)
+        state.buffer.append(kp.transpose(-1, -2))
 
     def scores(self, state: PartialKeys, layer: int, query: torch.Tensor, past: int, valid) -> torch.Tensor:
         """Speculated group scores [B, Hkv, past] (-inf where not valid)."""
@@ -56,6 +66,17 @@ class InfiniGenSelector(Selector):
 
     def select(self, state, layer, query, past, valid) -> Selection:
         k = self.knobs
+        keys = state.buffer.full
+        if k.block_tokens <= 1 and keys.dtype == torch.float32 and keys.device.type == "cpu" and kernels.available():
+            # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
+            q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
+            q_scaled = q_part.to(torch.float32) * self.adapter.scaling(layer)
+            idx, counts = kernels.select(
+                keys, past, q_scaled, None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
+                k.budget, k.budget_tokens, k.min_tokens,
+            )  # fmt: skip
+            slots = torch.arange(idx.shape[-1], device=idx.device)
+            return Selection(idx, slots < counts[..., None])
         g = self.scores(state, layer, query, past, valid)
         return select_blocks(g, valid, k.block_tokens, self.alpha(layer), k.budget, k.budget_tokens, k.min_tokens)
 

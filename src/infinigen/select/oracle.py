@@ -5,17 +5,24 @@ selector at a given fraction fetched, not a system."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from infinigen.growing import GrowingTensor
 from infinigen.select.base import Selector
 from infinigen.speculate import Selection, budget_counts, group_sum, selection_from_mask
 
 
 @dataclass
 class KeyCopy:
-    keys: torch.Tensor | None = None  # [B, Hkv, T, d] as the tier returns them
+    """Every key of the layer as the tier returns them, [B, Hkv, T, d], grown in place."""
+
+    buffer: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=-2))
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.buffer.data
 
 
 def true_probs(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -53,7 +60,7 @@ class OracleSelector(Selector):
 
     def on_append(self, state: KeyCopy, layer_idx, keys, valid) -> None:
         stored = keys if self.kv_dtype is None else keys.to(self.kv_dtype).to(keys.dtype)
-        state.keys = stored if state.keys is None else torch.cat([state.keys, stored], dim=-2)
+        state.buffer.append(stored)
 
     def select(self, state: KeyCopy, layer_idx, query, past, valid) -> Selection:
         probs = true_probs(query, state.keys[:, :, :past], valid, self.adapter.scaling(layer_idx))

@@ -113,7 +113,7 @@ class Storage:
         if self.fmt == "int4":
             return Int4RamTier(batch, kv_heads, head_dim, dtype, stats, group=GROUP)
         if self.tier == "ram":
-            return RamTier(batch, kv_heads, head_dim, dtype, stats)
+            return RamTier(batch, kv_heads, head_dim, dtype, stats, capacity=self.pool_positions or 0)
         if self.tier == "disk":
             if not self._reserved:
                 per_layer = batch * kv_heads * self.capacity * row_bytes("native", head_dim, dtype)

@@ -22,22 +22,30 @@ import torch
 class TransferStats:
     """Counters of what crossed from the slow tiers of one cache to the compute.
 
-    bytes:        bytes read, read amplification included (whole disk blocks, whole pages);
-    useful_bytes: bytes of the rows asked for, so that amplification = bytes / useful_bytes;
-    rows:         (position, KV head) rows delivered; requests: reads issued; seconds: time spent.
+    bytes:        bytes read from the tier's medium, read amplification included (whole disk
+                  blocks), plus `cached_bytes`: every byte that reached the compute's buffers;
+    cached_bytes: the part of `bytes` served from RAM in front of a slower medium (the disk
+                  tier's unwritten tail blocks), exact, without amplification;
+    useful_bytes: bytes of the rows asked for that came from the medium, so that
+                  amplification = (bytes - cached_bytes) / useful_bytes;
+    rows:         (position, KV head) rows delivered; requests: transfers issued; seconds: time spent.
     """
 
     bytes: int = 0
+    cached_bytes: int = 0
     useful_bytes: int = 0
     rows: int = 0
     requests: int = 0
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, nbytes: int, rows: int, seconds: float, useful_bytes: int | None = None) -> None:
-        """Count one read (called from I/O threads too)."""
+    def add(
+        self, nbytes: int, rows: int, seconds: float, useful_bytes: int | None = None, cached_bytes: int = 0
+    ) -> None:
+        """Count one transfer (called from I/O threads too): `nbytes` from the medium, `cached_bytes` from RAM."""
         with self._lock:
-            self.bytes += nbytes
+            self.bytes += nbytes + cached_bytes
+            self.cached_bytes += cached_bytes
             self.useful_bytes += nbytes if useful_bytes is None else useful_bytes
             self.rows += rows
             self.requests += 1
@@ -45,12 +53,12 @@ class TransferStats:
 
     @property
     def amplification(self) -> float | None:
-        """Bytes read per byte asked for; None before anything was read."""
-        return self.bytes / self.useful_bytes if self.useful_bytes else None
+        """Bytes read from the medium per byte asked for from it; None before anything was read."""
+        return (self.bytes - self.cached_bytes) / self.useful_bytes if self.useful_bytes else None
 
     def reset(self) -> None:
         with self._lock:
-            self.bytes = self.useful_bytes = self.rows = self.requests = 0
+            self.bytes = self.cached_bytes = self.useful_bytes = self.rows = self.requests = 0
             self.seconds = 0.0
 
 
@@ -92,10 +100,19 @@ class KVTier(ABC):
             self._append(keys, values, valid)
 
     def gather_async(
-        self, indices: torch.Tensor, valid: torch.Tensor, device: torch.device, dtype: torch.dtype
+        self,
+        indices: torch.Tensor,
+        valid: torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Future:
-        """Rows `indices` [B, Hkv, n] where `valid`, delivered later as [B, Hkv, n, d] each (zeros
-        where not valid). Only the valid rows move and are counted. `.result()` waits."""
+        """Rows `indices` [B, Hkv, n] where `valid`, delivered later as [B, Hkv, n, d] each. Only
+        the valid rows move and are counted. `.result()` waits.
+
+        out: (k, v) buffers [B, Hkv, >= n, d] of `dtype` on `device` that the rows are written
+        into, converted once where they land (the result is a view of their first n slots; slots
+        not valid keep what they held); default: new tensors, zeros where not valid."""
         if (
             indices.dim() != 3
             or indices.shape != valid.shape
@@ -111,19 +128,37 @@ class KVTier(ABC):
             if low < 0 or high >= self.length:
                 bad = low if low < 0 else high
                 raise IndexError(f"selected position {bad} but the tier holds {self.length}")
-        return self._gather_async(indices, valid, device, dtype)
+        self._check_out(out, indices.shape[2], device, dtype)
+        return self._gather_async(indices, valid, device, dtype, out)
 
-    def gather(self, indices, valid, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gather_async(indices, valid, device, dtype).result()
+    def gather(self, indices, valid, device, dtype, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gather_async(indices, valid, device, dtype, out).result()
 
-    def read_all_async(self, upto: int, device: torch.device, dtype: torch.dtype) -> Future:
-        """Positions [0, upto) of every row, delivered later as [B, Hkv, upto, d] each; counted."""
+    def read_all_async(
+        self, upto: int, device: torch.device, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> Future:
+        """Positions [0, upto) of every row, delivered later as [B, Hkv, upto, d] each; counted.
+        out: buffers [B, Hkv, >= upto, d] to write them into (see `gather_async`)."""
         if not 0 <= upto <= self.length:
             raise IndexError(f"asked for {upto} positions but the tier holds {self.length}")
-        return self._read_all_async(upto, device, dtype)
+        self._check_out(out, upto, device, dtype)
+        return self._read_all_async(upto, device, dtype, out)
 
-    def read_all(self, upto, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.read_all_async(upto, device, dtype).result()
+    def read_all(self, upto, device, dtype, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read_all_async(upto, device, dtype, out).result()
+
+    def _check_out(self, out, n: int, device, dtype) -> None:
+        if out is None:
+            return
+        k, v = out
+        want = (self.batch, self.kv_heads)
+        for t in (k, v):
+            if t.dim() != 4 or tuple(t.shape[:2]) != want or t.shape[2] < n or t.shape[3] != self.head_dim:
+                raise ValueError(
+                    f"out buffers must be [{self.batch}, {self.kv_heads}, >= {n}, {self.head_dim}], got {tuple(t.shape)}"
+                )
+            if t.dtype != dtype or t.device != torch.device(device):
+                raise ValueError(f"out buffers must be {dtype} on {device}, got {t.dtype} on {t.device}")
 
     @property
     def evictions(self) -> int:
@@ -146,18 +181,18 @@ class KVTier(ABC):
     @abstractmethod
     def _append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None) -> None: ...
 
-    def _gather(self, indices, valid, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, indices, valid, device, dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _read_all(self, upto, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_all(self, upto, device, dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _gather_async(self, indices, valid, device, dtype) -> Future:
+    def _gather_async(self, indices, valid, device, dtype, out) -> Future:
         """Synchronous tiers gather now and hand back a finished Future."""
-        return done_future(self._gather, indices, valid, device, dtype)
+        return done_future(self._gather, indices, valid, device, dtype, out)
 
-    def _read_all_async(self, upto, device, dtype) -> Future:
-        return done_future(self._read_all, upto, device, dtype)
+    def _read_all_async(self, upto, device, dtype, out) -> Future:
+        return done_future(self._read_all, upto, device, dtype, out)
 
 
 def done_future(fn, *args) -> Future:
@@ -171,11 +206,39 @@ def done_future(fn, *args) -> Future:
 
 
 def scatter_rows(
-    flat: tuple[torch.Tensor, ...], rows_k: torch.Tensor, rows_v: torch.Tensor, shape, device, dtype
+    flat: tuple[torch.Tensor, ...], rows_k: torch.Tensor, rows_v: torch.Tensor, shape, device, dtype, out=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows [m, d] placed at the (b, h, slot) coordinates `flat` of zero tensors `shape` [B, Hkv, n, d]."""
-    k = torch.zeros(shape, dtype=dtype, device=device)
-    v = torch.zeros_like(k)
-    k[flat] = rows_k.to(device, dtype)
-    v[flat] = rows_v.to(device, dtype)
+    """Rows [m, d] placed at the (b, h, slot) coordinates `flat` of `out` (views of its first n
+    slots) or of zero tensors `shape` [B, Hkv, n, d]; converted to `dtype` once, here."""
+    b, h, n, d = shape
+    if out is None:
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        v = torch.zeros_like(k)
+        k[flat] = rows_k.to(device, dtype)
+        v[flat] = rows_v.to(device, dtype)
+        return k, v
+    k, v = prefix_views(out, n)
+    if out[0].is_contiguous() and out[1].is_contiguous():
+        room = out[0].shape[2]  # one linear index per row: a row copy, not a 3-index scatter
+        dest = ((flat[0] * h + flat[1]) * room + flat[2]).to(device)
+        out[0].view(-1, d).index_copy_(0, dest, rows_k.to(device, dtype))
+        out[1].view(-1, d).index_copy_(0, dest, rows_v.to(device, dtype))
+    else:
+        k[flat] = rows_k.to(device, dtype)
+        v[flat] = rows_v.to(device, dtype)
+    return k, v
+
+
+def prefix_views(out: tuple[torch.Tensor, torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first n slots of a pair of [B, Hkv, >= n, d] buffers."""
+    return out[0][:, :, :n], out[1][:, :, :n]
+
+
+def copy_prefix(k_src: torch.Tensor, v_src: torch.Tensor, device, dtype, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Hkv, n, d] rows as `dtype` on `device`: copied into `out`'s first n slots, or new tensors."""
+    if out is None:
+        return k_src.to(device, dtype, copy=True), v_src.to(device, dtype, copy=True)
+    k, v = prefix_views(out, k_src.shape[2])
+    k.copy_(k_src)
+    v.copy_(v_src)
     return k, v

@@ -9,8 +9,9 @@ File layout
 The file holds ``B * Hkv`` regions, one per (batch row, KV head), in that order. Each region
 has room for ``capacity`` positions and is padded to a whole number of blocks, so every region
 starts on a block boundary. Inside a region the positions follow each other in order, and a
-position's record is its K row immediately followed by its V row
-(``2 * head_dim * itemsize`` bytes, 256 B for d=64 in fp16)::
+position's record is its K row immediately followed by its V row, padded to a power of two
+that divides the block (or to whole blocks), so that no record straddles a block boundary
+(256 B for d = 64 in fp16: 16 per 4 KiB block)::
 
     region(b, h) = [K_0 V_0][K_1 V_1][K_2 V_2] ... [K_{capacity-1} V_{capacity-1}] pad
 
@@ -18,24 +19,28 @@ Why this layout:
 
 * A decode step selects positions independently per (b, h) and always needs both K and V of a
   selected position. Keeping K and V of a position adjacent makes one selected row one
-  contiguous record, so it costs one block read instead of two (separate K and V files would
-  double the blocks touched).
-* Within a region, nearby positions share a block (4096 / record positions per 4 KiB block,
-  16 for d=64 fp16). Attention selections cluster (recent tokens, sink tokens, local runs), so
-  neighbouring selected positions are mostly served by the same or adjacent blocks.
+  contiguous record, so it costs one block read instead of two.
+* Within a region, nearby positions share a block. Attention selections cluster (recent tokens,
+  sink tokens, local runs), so neighbouring selected positions are mostly served by the same or
+  adjacent blocks.
 * A selection, sorted ascending per (b, h), maps to an ascending list of blocks; blocks whose gap
   is at most ``coalesce_gap_blocks`` are merged into one larger read, because reading a small gap
   costs less than issuing another request. The merged runs are read with several requests in
   flight, which is what fast SSDs need to reach their bandwidth.
-* Appends only ever touch the end of each region: decode writes exactly the block holding the
-  new position (one 4 KiB write per (b, h)), prefill one large contiguous write per (b, h).
-  The last, partially filled block of every region is also kept in RAM, so an append never has
-  to read anything back; it is written through on every append so the file is always complete.
 * ``read_all`` of a prefix is one sequential read per region.
 
+Appends (write-behind)
+----------------------
+The last, partially filled block of every region (the *tail*) lives in RAM; only whole blocks
+are written. A prefill writes its whole blocks at once; a decode step only fills the tail, and
+when a block fills it is handed to the I/O thread that also runs the gathers, so the compute
+thread never waits for a write and a gather, queued behind it, always sees it on disk. Rows in
+the tail are served from RAM (counted as ``cached_bytes``, not as disk reads). A write that
+fails is reported by the tier's next append, read or `flush()`.
+
 Every read is counted in the tier's ``TransferStats`` with the bytes actually read from disk,
-amplification included; ``bytes_useful`` holds the bytes of the rows asked for, so
-``read_amplification`` = bytes read / bytes useful.
+amplification included; ``useful_bytes`` holds the bytes of the rows asked for that came from
+disk, so ``read_amplification`` = bytes read / bytes useful.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats
+from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats, copy_prefix, scatter_rows
 
 ENV_DIR = "INFINIGEN_KV_DIR"
 _MIN_BLOCK = 4096
@@ -91,6 +96,17 @@ def check_space(directory: str | os.PathLike | None, nbytes: int) -> Path:
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def record_bytes(row_bytes: int, block: int) -> int:
+    """A position's record on disk: its K and V row padded to a power of two that divides the
+    block, or to whole blocks, so that no record straddles a block boundary."""
+    if row_bytes >= block:
+        return _round_up(row_bytes, block)
+    size = 1
+    while size < row_bytes:
+        size *= 2
+    return size
 
 
 def _aligned(nbytes: int) -> mmap.mmap:
@@ -181,15 +197,17 @@ class DiskTier(KVTier):
         self.capacity = int(capacity)
         self.coalesce_gap_blocks = int(coalesce_gap_blocks)
         self.directory = Path(directory) if directory is not None else default_directory()
-        self.record_bytes = self.row_bytes
         self.regions = batch * kv_heads
-        self.bytes_read = 0  # bytes read by this tier (amplification included)
-        self.bytes_useful = 0  # bytes of the rows asked for
+        self.bytes_read = 0  # bytes read from disk by this tier (amplification included)
+        self.bytes_useful = 0  # bytes of the rows asked for that came from disk
         self._closed = False
         self._stage: mmap.mmap | None = None
+        self._read_buf: mmap.mmap | None = None  # reused by every gather (they never overlap)
+        self._pending: list[Future] = []  # block writes handed to the I/O thread
 
         check_space(self.directory, 0)
         self.block_size = self._block_size()
+        self.record_bytes = record_bytes(self.row_bytes, self.block_size)
         self.region_bytes = _round_up(self.capacity * self.record_bytes, self.block_size)
         self.file_bytes = self.region_bytes * self.regions
         check_space(self.directory, self.file_bytes)
@@ -328,60 +346,95 @@ class DiskTier(KVTier):
             raise ValueError(f"disk KV tier {self.path} is closed")
 
     # ------------------------------------------------------------------ appends
+    def _tail_start(self, length: int | None = None) -> int:
+        """Byte offset (within a region) of the tail block: the first byte not yet on disk."""
+        end = (self.length if length is None else length) * self.record_bytes
+        return end // self.block_size * self.block_size
+
     def _append(self, keys, values, valid) -> None:
         self._check_open()
+        self._raise_write_errors(wait=False)
         n = keys.shape[2]
         if self.length + n > self.capacity:
             raise KVCapacityError(
                 f"cannot append {n} positions to {self.length}: the disk KV tier was sized for "
                 f"{self.capacity} positions (capacity=)"
             )
-        rec, blk = self.record_bytes, self.block_size
+        rec, blk, d = self.record_bytes, self.block_size, self.head_dim
+        width = 2 * d * keys.new_empty((), dtype=self.dtype).element_size()
         k = keys.detach().to("cpu", self.dtype)
         v = values.detach().to("cpu", self.dtype)
-        records = torch.cat([k, v], dim=-1).contiguous().view(torch.uint8).reshape(self.regions, n * rec)
+        records = torch.cat([k, v], dim=-1).contiguous().view(torch.uint8).reshape(self.regions, n, width)
 
         begin = self.length * rec  # byte offset of the first new record within a region
         end = begin + n * rec
-        start = begin // blk * blk  # the write covers whole blocks [start, stop)
-        stop = _round_up(end, blk)
-        span = stop - start
-        lead = begin - start  # bytes of the kept tail block in front of the new records
+        start = self._tail_start()  # the tail block begins here: [start, begin) is kept in RAM
+        full_end = end // blk * blk  # whole blocks [start, full_end) can now be written
+        lead = begin - start
+        if full_end <= start:  # the new records stay in the tail block: RAM only
+            self._tails[:, lead : lead + n * rec].view(self.regions, n, rec)[:, :, :width] = records
+            self.length += n
+            return
 
-        need = self.regions * span
-        if need <= _STAGE_KEEP:
-            if self._stage is None or len(self._stage) < need:
-                self._stage = _aligned(max(need, self.regions * blk))
-            buf = self._stage
-        else:
-            buf = _aligned(need)
-        staged = torch.frombuffer(buf, dtype=torch.uint8, count=need).view(self.regions, span)
-        if lead:
-            staged[:, :lead] = self._tails[:, :lead]
-        staged[:, lead : lead + n * rec] = records
-        if lead + n * rec < span:
-            staged[:, lead + n * rec :] = 0
-
+        span = _round_up(end, blk) - start
+        buf = self._staging(self.regions * span, keep=n > 1)
+        staged = torch.frombuffer(buf, dtype=torch.uint8, count=self.regions * span).view(self.regions, span)
+        staged[:, :lead] = self._tails[:, :lead]
+        body = staged[:, lead : lead + n * rec].view(self.regions, n, rec)
+        if width < rec:
+            body.zero_()
+        body[:, :, :width] = records
+        staged[:, lead + n * rec :] = 0
+        whole = full_end - start
         view = memoryview(buf)
-        writes = [(view[r * span : (r + 1) * span], r * self.region_bytes + start) for r in range(self.regions)]
-        if span >= (64 << 10) and self.regions > 1 and self.threads.readers > 1:
-            io = self.threads.io
-            for f in [io.submit(self._pwrite, b, off) for b, off in writes]:
+        writes = [(view[r * span : r * span + whole], r * self.region_bytes + start) for r in range(self.regions)]
+        if n > 1:
+            self._write_now(writes)  # a prefill: its blocks are written before it returns
+        else:  # a decode step filled a block: written behind, ahead of any later gather
+            self._pending.append(self.threads.control.submit(self._write_now, writes, buf))
+        if end > full_end:
+            self._tails[:, : end - full_end] = staged[:, whole : whole + end - full_end]
+        self.length += n
+
+    def _staging(self, need: int, keep: bool) -> mmap.mmap:
+        """An aligned buffer for a write; a prefill's reuses one kept buffer (written before the
+        next), a decode step's is its own (written later, behind the compute)."""
+        if not keep or need > _STAGE_KEEP:
+            return _aligned(need)
+        if self._stage is None or len(self._stage) < need:
+            self._stage = _aligned(max(need, self.regions * self.block_size))
+        return self._stage
+
+    def _write_now(self, writes: list[tuple[memoryview, int]], keepalive=None) -> None:
+        if len(writes) > 1 and len(writes[0][0]) >= (64 << 10) and self.threads.readers > 1:
+            for f in [self.threads.io.submit(self._pwrite, b, off) for b, off in writes]:
                 f.result()
         else:
             for b, off in writes:
                 self._pwrite(b, off)
         self._drop_cache()
 
-        tail_start = end // blk * blk
-        if end > tail_start:
-            self._tails[:, : end - tail_start] = staged[:, tail_start - start : end - start]
-        self.length += n
+    def _raise_write_errors(self, wait: bool) -> None:
+        """Report a failed background write and forget finished ones; `wait`: for all of them."""
+        keep = []
+        for f in self._pending:
+            if not wait and not f.done():
+                keep.append(f)
+                continue
+            exc = f.exception()
+            if exc is not None:
+                self._pending = []
+                raise exc
+        self._pending = keep
+
+    def flush(self) -> None:
+        """Wait for the blocks written behind; raise the first write error."""
+        self._raise_write_errors(wait=True)
 
     # ------------------------------------------------------------------ reads
     def _plan(self, regions: np.ndarray, pos: np.ndarray):
-        """Blocks touched by the records, merged into runs. Returns (runs, record offsets in
-        the read buffer, buffer bytes); runs are (first block, blocks, buffer block offset)."""
+        """Blocks holding the records, merged into runs. Returns (runs, record offsets in the
+        read buffer, buffer bytes); runs are (first block, blocks, buffer block offset)."""
         rec, blk = self.record_bytes, self.block_size
         start = regions * self.region_bytes + pos * rec  # file offset of every record
         first = start // blk
@@ -411,91 +464,107 @@ class DiskTier(KVTier):
                 out.append((view[(b + i) * blk : (b + i + m) * blk], (f + i) * blk))
         return out
 
-    def _rows(self, buf: mmap.mmap, nbytes: int, offsets: np.ndarray) -> torch.Tensor:
-        """The records at byte `offsets` of the read buffer, as [m, 2d] of the stored dtype."""
-        rec = self.record_bytes
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
-        if not (offsets % rec).any():
-            rows = raw[: nbytes // rec * rec].view(-1, rec)[torch.from_numpy(offsets // rec)]
-        else:  # records straddle blocks at arbitrary byte offsets
-            rows = torch.empty(len(offsets), rec, dtype=torch.uint8)
-            step = max((1 << 22) // rec, 1)
-            cols = torch.arange(rec)
-            for i in range(0, len(offsets), step):
-                idx = torch.from_numpy(offsets[i : i + step])[:, None] + cols
-                rows[i : i + step] = raw[idx]
-        return rows.view(self.dtype)
+    def _buffer(self, nbytes: int) -> mmap.mmap:
+        """The reused read buffer, grown to `nbytes` (page aligned)."""
+        if self._read_buf is None or len(self._read_buf) < nbytes:
+            self._read_buf = _aligned(max(nbytes, 2 * len(self._read_buf or b"")))
+        return self._read_buf
 
-    def _count(self, nbytes: int, rows: int, seconds: float) -> None:
-        useful = rows * self.record_bytes
-        self.stats.add(nbytes, rows, seconds, useful_bytes=useful)
+    def _count(self, nbytes: int, disk_rows: int, ram_rows: int, seconds: float) -> None:
+        useful = disk_rows * self.row_bytes
+        self.stats.add(
+            nbytes, disk_rows + ram_rows, seconds, useful_bytes=useful, cached_bytes=ram_rows * self.row_bytes
+        )
         self.bytes_read += nbytes  # a tier's reads run on one control thread: no lock needed
         self.bytes_useful += useful
 
-    def _gather_async(self, indices, valid, device, dtype) -> Future:
+    def _gather_async(self, indices, valid, device, dtype, out=None) -> Future:
         """The reads run on the control thread, so the caller can compute meanwhile; the result
         is counted when they complete."""
         self._check_open()
+        self._raise_write_errors(wait=False)
         idx = indices.detach().to("cpu", torch.int64).clone()
         ok = valid.detach().to("cpu", torch.bool).clone()
-        return self.threads.control.submit(self._gather, idx, ok, device, dtype)
+        return self.threads.control.submit(self._gather, idx, ok, device, dtype, out, self.length)
 
-    def _gather(self, indices: torch.Tensor, valid: torch.Tensor, device, dtype):
+    def _gather(self, indices: torch.Tensor, valid: torch.Tensor, device, dtype, out=None, length=None):
         t0 = time.perf_counter()
-        b, h, n = indices.shape
-        d = self.head_dim
+        d, rec = self.head_dim, self.record_bytes
+        shape = (*indices.shape, d)
         flat = valid.nonzero(as_tuple=True)
         pos = indices[flat]
         m = int(pos.numel())
-        k = torch.zeros(b, h, n, d, dtype=self.dtype)
-        v = torch.zeros_like(k)
-        nbytes = 0
+        rows = torch.empty(m, rec, dtype=torch.uint8)
+        tail_pos = self._tail_start(length) // rec  # positions from here on are in the RAM tail
+        region = flat[0] * self.kv_heads + flat[1]
+        in_ram = pos >= tail_pos
+        nbytes = disk_rows = 0
         if m:
-            regions = (flat[0] * self.kv_heads + flat[1]).numpy()
-            runs, offsets, nbytes = self._plan(regions, pos.numpy())
-            buf = _aligned(nbytes)
-            self._drop_cache()
-            self._read_many(self._requests(runs, memoryview(buf)))
-            rows = self._rows(buf, nbytes, offsets)
-            k[flat] = rows[:, :d]
-            v[flat] = rows[:, d:]
-        k, v = k.to(device, dtype), v.to(device, dtype)
-        self._count(nbytes, m, time.perf_counter() - t0)
+            on_disk = ~in_ram
+            disk_rows = int(on_disk.sum())
+            if disk_rows:
+                sel = on_disk.nonzero(as_tuple=True)[0]
+                runs, offsets, nbytes = self._plan(region[sel].numpy(), pos[sel].numpy())
+                buf = self._buffer(nbytes)
+                self._drop_cache()
+                self._read_many(self._requests(runs, memoryview(buf)))
+                raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+                rows[sel] = raw.view(-1, rec)[torch.from_numpy(offsets // rec)]
+            if disk_rows < m:
+                sel = in_ram.nonzero(as_tuple=True)[0]
+                rows[sel] = self._tails.view(self.regions, -1, rec)[region[sel], pos[sel] - tail_pos]
+        width = 2 * d * torch.empty((), dtype=self.dtype).element_size()
+        kv = rows[:, :width].view(self.dtype)
+        k, v = scatter_rows(flat, kv[:, :d], kv[:, d:], shape, device, dtype, out)
+        self._count(nbytes, disk_rows, m - disk_rows, time.perf_counter() - t0)
         return k, v
 
-    def _read_prefix(self, upto: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Positions [0, upto) of every region as [B, Hkv, upto, d] (stored dtype, CPU) and the
-        bytes read: one sequential read per region."""
+    def _read_prefix(self, upto: int, out=None, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Positions [0, upto) of every region as [B, Hkv, upto, d] (into `out`, or new tensors
+        of the stored dtype on the CPU) and the bytes read from disk: one sequential read per
+        region for its whole blocks; the tail block comes from RAM."""
         self._check_open()
         if not 0 <= upto <= self.length:
             raise IndexError(f"asked for {upto} positions but the tier holds {self.length}")
-        d, rec = self.head_dim, self.record_bytes
+        d, rec, blk = self.head_dim, self.record_bytes, self.block_size
         if upto == 0:
             empty = torch.empty(self.batch, self.kv_heads, 0, d, dtype=self.dtype)
-            return empty, empty.clone(), 0
-        span = _round_up(upto * rec, self.block_size)
-        nbytes = span * self.regions
-        buf = _aligned(nbytes)
+            return (*copy_prefix(empty, empty, device or "cpu", dtype or self.dtype, out), 0)
+        span = _round_up(upto * rec, blk)
+        tail = self._tail_start()
+        on_disk = min(span, tail)  # whole blocks on disk; [tail, span) is the RAM tail
+        buf = self._buffer(span * self.regions)
         view = memoryview(buf)
-        self._drop_cache()
-        self._read_many([(view[r * span : (r + 1) * span], r * self.region_bytes) for r in range(self.regions)])
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(self.regions, span)[:, : upto * rec]
-        recs = raw.reshape(self.batch, self.kv_heads, upto, rec).view(self.dtype)
-        return recs[..., :d].clone(), recs[..., d:].clone(), nbytes
+        if on_disk:
+            self._drop_cache()
+            reads = [(view[r * span : r * span + on_disk], r * self.region_bytes) for r in range(self.regions)]
+            self._read_many(reads)
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=span * self.regions).view(self.regions, span)
+        if span > on_disk:
+            raw[:, on_disk:span] = self._tails[:, : span - on_disk]
+        width = 2 * d * torch.empty((), dtype=self.dtype).element_size()
+        recs = raw[:, : upto * rec].reshape(self.batch, self.kv_heads, upto, rec)[..., :width].view(self.dtype)
+        if out is None and device is None:
+            k, v = recs[..., :d].clone(), recs[..., d:].clone()
+        else:
+            k, v = copy_prefix(recs[..., :d], recs[..., d:], device, dtype, out)
+        return k, v, on_disk * self.regions
 
-    def _read_all(self, upto, device, dtype):
+    def _read_all(self, upto, device, dtype, out=None):
         t0 = time.perf_counter()
-        k, v, nbytes = self._read_prefix(upto)
-        k, v = k.to(device, dtype), v.to(device, dtype)
-        self._count(nbytes, self.regions * upto, time.perf_counter() - t0)
+        k, v, nbytes = self._read_prefix(upto, out, device, dtype)
+        tail_rows = max(upto - self._tail_start() // self.record_bytes, 0)
+        self._count(nbytes, self.regions * (upto - tail_rows), self.regions * tail_rows, time.perf_counter() - t0)
         return k, v
 
-    def _read_all_async(self, upto, device, dtype) -> Future:
+    def _read_all_async(self, upto, device, dtype, out=None) -> Future:
         """One sequential read per region on the control thread: full fetch issues it one layer ahead."""
         self._check_open()
-        return self.threads.control.submit(self._read_all, upto, device, dtype)
+        self._raise_write_errors(wait=False)
+        return self.threads.control.submit(self._read_all, upto, device, dtype, out)
 
     def peek_all(self):
+        self.flush()
         k, v, _ = self._read_prefix(self.length)
         return k, v
 
@@ -514,9 +583,12 @@ class DiskTier(KVTier):
         if self._closed:
             return
         self._closed = True
+        for f in self._pending:  # blocks written behind: let them land before the file goes
+            f.exception()
+        self._pending = []
         if self._res.own_threads is not None:
             self._res.own_threads.shutdown(wait=True)
-        self._stage = None
+        self._stage = self._read_buf = None
         self._finalizer()
 
     def __enter__(self) -> DiskTier:

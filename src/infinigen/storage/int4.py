@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from infinigen.storage.base import KVTier, TransferStats, scatter_rows
+from infinigen.storage.base import KVTier, TransferStats, copy_prefix, scatter_rows
 
 LEVELS = 16
 GROUP = 64  # channels per quantization group (FlexGen's choice)
@@ -130,22 +130,24 @@ class Int4RamTier(KVTier):
             store[:, :, self.length : end] = part
         self.length = end
 
-    def _gather(self, indices, valid, device, dtype):
+    def _gather(self, indices, valid, device, dtype, out=None):
         start = time.perf_counter()
         flat = valid.nonzero(as_tuple=True)  # (b, h, slot) of the rows that move
         pos = indices[flat]
         i, j = flat[0], flat[1]
         k_rows = dequantize_int4(self._kq[i, j, pos], self._ks[i, j, pos], self._kz[i, j, pos], dtype)
         v_rows = dequantize_int4(self._vq[i, j, pos], self._vs[i, j, pos], self._vz[i, j, pos], dtype)
-        k, v = scatter_rows(flat, k_rows, v_rows, (*indices.shape, self.head_dim), device, dtype)
+        k, v = scatter_rows(flat, k_rows, v_rows, (*indices.shape, self.head_dim), device, dtype, out)
         rows = int(pos.numel())
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return k, v
 
-    def _read_all(self, upto, device, dtype):
+    def _read_all(self, upto, device, dtype, out=None):
         start = time.perf_counter()
         k = dequantize_int4(self._kq[:, :, :upto], self._ks[:, :, :upto], self._kz[:, :, :upto], dtype).to(device)
         v = dequantize_int4(self._vq[:, :, :upto], self._vs[:, :, :upto], self._vz[:, :, :upto], dtype).to(device)
+        if out is not None:
+            k, v = copy_prefix(k, v, device, dtype, out)
         rows = self.batch * self.kv_heads * upto
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return k, v

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from infinigen.storage.base import KVTier, TransferStats
+from infinigen.storage.base import KVTier, TransferStats, prefix_views
 
 
 class CudaTransfer:
@@ -76,7 +76,7 @@ class PinnedTier(KVTier):
             self._write_event = self._write_stream.record_event()
         self.length += n
 
-    def _gather_async(self, indices, valid, device, dtype) -> CudaTransfer:
+    def _gather_async(self, indices, valid, device, dtype, out=None) -> CudaTransfer:
         start = time.perf_counter()
         self._host_ready()
         b, h, n = indices.shape
@@ -88,25 +88,34 @@ class PinnedTier(KVTier):
         stage_v = torch.zeros_like(stage_k, pin_memory=True)
         stage_k[flat] = self._k[flat[0], flat[1], pos]
         stage_v[flat] = self._v[flat[0], flat[1], pos]
-        with torch.cuda.stream(self._copy_stream):
-            k = stage_k.to(device, non_blocking=True).to(dtype)
-            v = stage_v.to(device, non_blocking=True).to(dtype)
-            event = self._copy_stream.record_event()
+        k, v = self._to_device(stage_k, stage_v, device, dtype, out)
+        event = self._copy_stream.record_event()
         rows = int(pos.numel())
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return CudaTransfer((k, v), event, (stage_k, stage_v))
 
-    def _read_all_async(self, upto, device, dtype) -> CudaTransfer:
+    def _read_all_async(self, upto, device, dtype, out=None) -> CudaTransfer:
         start = time.perf_counter()
         self._host_ready()
         src_k, src_v = self._k[:, :, :upto], self._v[:, :, :upto]
-        with torch.cuda.stream(self._copy_stream):
-            k = src_k.to(device, non_blocking=True).to(dtype)
-            v = src_v.to(device, non_blocking=True).to(dtype)
-            event = self._copy_stream.record_event()
+        k, v = self._to_device(src_k, src_v, device, dtype, out)
+        event = self._copy_stream.record_event()
         rows = self.batch * self.kv_heads * upto
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return CudaTransfer((k, v), event, (self._k, self._v))
+
+    def _to_device(self, src_k, src_v, device, dtype, out):
+        """Host→device copies on the side stream; into `out` after everything the compute stream
+        was given so far (its last reader of those buffers included)."""
+        compute = torch.cuda.current_stream(torch.device(device))
+        with torch.cuda.stream(self._copy_stream):
+            if out is None:
+                return src_k.to(device, non_blocking=True).to(dtype), src_v.to(device, non_blocking=True).to(dtype)
+            self._copy_stream.wait_stream(compute)
+            k, v = prefix_views(out, src_k.shape[2])
+            k.copy_(src_k, non_blocking=True)
+            v.copy_(src_v, non_blocking=True)
+            return k, v
 
     def peek_all(self):
         self._host_ready()

@@ -340,13 +340,13 @@ class PooledTier(RamTier):
     def present(self, upto: int) -> torch.Tensor:
         return self.pool.resident(upto)
 
-    def _gather(self, indices, valid, device, dtype):
+    def _gather(self, indices, valid, device, dtype, out=None):
         self._clock += 1
         idx, ok = indices.to("cpu", torch.long), valid.to("cpu", torch.bool)
         self.pool.record_fetch(idx, ok, self._clock)
-        return super()._gather(self.pool.slots_of(idx, ok), ok, device, dtype)  # raises for an evicted position
+        return super()._gather(self.pool.slots_of(idx, ok), ok, device, dtype, out)  # raises for an evicted position
 
-    def _read_all(self, upto, device, dtype):
+    def _read_all(self, upto, device, dtype, out=None):
         raise RuntimeError("a capped host pool cannot return every position (some were evicted)")
 
     def peek_all(self):

@@ -6,15 +6,18 @@ import time
 
 import torch
 
-from infinigen.storage.base import KVTier, TransferStats, scatter_rows
+from infinigen.storage.base import KVTier, TransferStats, copy_prefix, scatter_rows
 
 
 class RamTier(KVTier):
     """One layer's K and V in host memory, grown by doubling."""
 
-    def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats) -> None:
+    def __init__(
+        self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats, capacity: int = 0
+    ) -> None:
+        """capacity: positions to make room for at once (the generation's length, if known)."""
         super().__init__(batch, kv_heads, head_dim, dtype, stats)
-        self._k = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype)
+        self._k = torch.empty(batch, kv_heads, capacity, head_dim, dtype=dtype)
         self._v = torch.empty_like(self._k)
 
     def _grow(self, need: int) -> None:
@@ -35,26 +38,28 @@ class RamTier(KVTier):
         self._v[:, :, self.length : self.length + n] = values.detach().to("cpu", self.dtype)
         self.length += n
 
-    def _gather(self, indices, valid, device, dtype):
+    def _gather(self, indices, valid, device, dtype, out=None):
         start = time.perf_counter()
         flat = valid.nonzero(as_tuple=True)  # (b, h, slot) of the rows that move
         pos = indices[flat]
+        room = self._k.shape[2]
+        source = (flat[0] * self.kv_heads + flat[1]) * room + pos  # one linear index per row
         k, v = scatter_rows(
             flat,
-            self._k[flat[0], flat[1], pos],
-            self._v[flat[0], flat[1], pos],
+            self._k.view(-1, self.head_dim).index_select(0, source),
+            self._v.view(-1, self.head_dim).index_select(0, source),
             (*indices.shape, self.head_dim),
             device,
             dtype,
+            out,
         )
         rows = int(pos.numel())
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return k, v
 
-    def _read_all(self, upto, device, dtype):
+    def _read_all(self, upto, device, dtype, out=None):
         start = time.perf_counter()
-        k = self._k[:, :, :upto].to(device, dtype, copy=True)
-        v = self._v[:, :, :upto].to(device, dtype, copy=True)
+        k, v = copy_prefix(self._k[:, :, :upto], self._v[:, :, :upto], device, dtype, out)
         rows = self.batch * self.kv_heads * upto
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return k, v

@@ -1,0 +1,61 @@
+"""A tensor that grows along one dimension without re-copying what it holds on every append.
+
+Decode appends one position per step to many per-layer tensors (the KV with the compute, the
+partial keys, the oracle's key copy, Quest's page bounds). `torch.cat` re-copies the whole
+tensor each time, O(T) per step; this buffer writes in place and doubles its room when full,
+so the copies amortize to O(1) per append. One implementation serves every such tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class GrowingTensor:
+    """`dim` grows; every other dimension is fixed by the first append.
+
+    capacity: room to allocate at the first append (at least what it holds); `fill`: the value
+    of room not written yet (what a reader of `full` sees there). `data` is a view of the
+    filled part: valid until the next append that grows the buffer.
+    """
+
+    def __init__(self, dim: int = -1, capacity: int = 0, fill: float = 0.0) -> None:
+        self.dim, self.capacity, self.fill = dim, capacity, fill
+        self.length = 0
+        self._buf: torch.Tensor | None = None
+
+    @property
+    def data(self) -> torch.Tensor | None:
+        """The filled part (a view), or None before the first append."""
+        return None if self._buf is None else self._buf.narrow(self.dim, 0, self.length)
+
+    @property
+    def full(self) -> torch.Tensor | None:
+        """The whole allocated buffer (room beyond `length` holds `fill`)."""
+        return self._buf
+
+    def reserve(self, like: torch.Tensor, size: int) -> None:
+        """Room for `size` positions shaped as `like` elsewhere; keeps what it holds."""
+        have = 0 if self._buf is None else self._buf.shape[self.dim]
+        if size <= have:
+            return
+        shape = list(like.shape)
+        shape[self.dim] = size
+        buf = torch.full(shape, self.fill, dtype=like.dtype, device=like.device)
+        if self._buf is not None and self.length:
+            buf.narrow(self.dim, 0, self.length).copy_(self.data)
+        self._buf = buf
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Write `x` after what is held (growing by doubling); returns the filled part."""
+        n = x.shape[self.dim]
+        end = self.length + n
+        have = 0 if self._buf is None else self._buf.shape[self.dim]
+        if end > have:
+            self.reserve(x, max(end, self.capacity, 2 * have))
+        self._buf.narrow(self.dim, self.length, n).copy_(x)
+        self.length = end
+        return self.data
+
+    def clear(self) -> None:
+        self._buf, self.length = None, 0

@@ -1,0 +1,156 @@
+"""Small C kernels for the decode hot path, compiled once per machine on first use.
+
+Selection at decode is a dozen tensor operations per layer over every cached position; each
+costs microseconds of dispatch and a pass over memory, which on a CPU adds up to a large share
+of a step. `select.c` does the same rule in one pass. It is plain C99 built with the system C
+compiler (``$CC``, else ``cc``) for the CPU it runs on, cached under the infinigen cache folder
+keyed by the source, the compiler flags and the CPU, and called through ctypes (no Python
+headers). Without a compiler, or with ``INFINIGEN_KERNELS=0``, `available()` is False and
+callers use the tensor operations of `infinigen.speculate`, which the tests hold the kernel to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from infinigen.paths import default_cache_dir
+
+_SOURCE = Path(__file__).with_name("select.c")
+AGGREGATIONS = {"max": 0, "union": 1, "sum": 2, "mass": 3}
+_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not = ""
+
+
+def _cpu_key() -> str:
+    """What the compiled code depends on besides its source: machine and CPU features."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{platform.system()}|{flags}"
+
+
+def _compile() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC)")
+    source = _SOURCE.read_bytes()
+    folder = default_cache_dir() / "kernels"
+    errors = []
+    for flags in _FLAG_SETS:
+        key = hashlib.sha256(source + " ".join([cc, *flags]).encode() + _cpu_key().encode()).hexdigest()[:16]
+        target = folder / f"select-{key}.so"
+        if not target.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+            cmd = [cc, *flags, "-std=c99", "-fPIC", "-shared", "-o", tmp, str(_SOURCE), "-lm"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                os.unlink(tmp)
+                errors.append(f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}")
+                continue
+            os.replace(tmp, target)  # atomic: concurrent first uses never load a half-written file
+        lib = ctypes.CDLL(str(target))
+        _bind(lib)
+        return lib
+    raise RuntimeError("; ".join(errors))
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    p, i64, f32, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
+    lib.ig_select.restype = i64
+    lib.ig_select.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, p, p, p, p, p]
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with one warning saying why) when they cannot be built."""
+    global _lib, _tried, _why_not
+    if os.environ.get("INFINIGEN_KERNELS", "1") == "0":
+        return None
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                _lib = _compile()
+            except Exception as exc:  # no compiler, a failed build, a library that will not load
+                _why_not = str(exc)
+                warnings.warn(
+                    f"infinigen: the C selection kernel is unavailable ({exc}); using tensor operations (slower)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            _tried = True
+    return _lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def select(
+    keys: torch.Tensor,
+    length: int,
+    query: torch.Tensor,
+    valid: torch.Tensor | None,
+    aggregation: str,
+    alpha: float,
+    budget: float,
+    budget_tokens: int | None,
+    min_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """InfiniGen's selection in one call (the rule of `speculate.aggregate_group` followed by
+    `speculate.select_positions`, scores from `speculate.partial_scores`).
+
+    keys: [B, Hkv, c, >= length] float32 channel-major partial keys, contiguous;
+    query: [B, H, c] partial queries already multiplied by the attention scaling;
+    valid: [B, Hkv, length] bool, or None when every position exists.
+    Returns (indices [B, Hkv, n] ascending, padding slots 0; counts [B, Hkv])."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the C selection kernel is unavailable: {_why_not}")
+    b, hkv, c, room = keys.shape
+    h = query.shape[1]
+    g = h // hkv
+    if keys.dtype != torch.float32 or not keys.is_contiguous() or keys.device.type != "cpu":
+        raise ValueError("keys must be a contiguous float32 CPU tensor [B, Hkv, c, T]")
+    if not 0 <= length <= room:
+        raise ValueError(f"length {length} exceeds the keys' room {room}")
+    q = query.to(torch.float32).reshape(b * hkv, g, c).contiguous()
+    r = b * hkv
+    vmask = None
+    if valid is not None:
+        vmask = valid.reshape(r, length).to(torch.uint8).contiguous()
+    scores = torch.empty(g, max(length, 1), dtype=torch.float32)
+    z = torch.empty(max(length, 1), dtype=torch.float32)
+    tmp = torch.empty_like(z)
+    out = torch.empty(r, max(length, 1), dtype=torch.int64)
+    counts = torch.empty(r, dtype=torch.int64)
+    n = lib.ig_select(
+        keys.data_ptr(), c * room, room, q.data_ptr(), r, g, c, length,
+        None if vmask is None else vmask.data_ptr(), AGGREGATIONS[aggregation], float(alpha),
+        float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens),
+        scores.data_ptr(), z.data_ptr(), tmp.data_ptr(), out.data_ptr(), counts.data_ptr(),
+    )  # fmt: skip
+    return out[:, :n].reshape(b, hkv, n), counts.reshape(b, hkv)

@@ -1,0 +1,99 @@
+"""The C selection kernel equals the tensor operations it replaces (infinigen.speculate)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from infinigen import kernels
+from infinigen.speculate import aggregate_group, all_valid, partial_scores, select_positions
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel():
+    if not kernels.available():
+        if os.environ.get("CI"):
+            pytest.fail("the C selection kernel must build on CI (a C compiler is installed)")
+        pytest.skip("no C compiler: the kernel is unavailable here")
+
+
+def _case(seed: int, b=2, hkv=2, g=3, c=5, t=40, room=None, padded=True):
+    """Integer-valued keys and queries: every sum is exact in fp32, so ties are real ties and
+    the kernel and the tensor path must agree bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    room = room or t + 7
+    keys = torch.randint(-3, 4, (b, hkv, c, room), generator=gen).float()
+    query = torch.randint(-2, 3, (b, hkv * g, c), generator=gen).float()
+    valid = torch.ones(b, hkv, t, dtype=torch.bool)
+    if padded and t > 3:
+        valid[1, :, : t // 4] = False  # left padding of the second row
+        valid[0, 1, t // 2] = False  # a position a capped pool forgot
+    return keys, query, valid
+
+
+def _reference(keys, query, valid, t, agg, alpha, budget, budget_tokens, min_tokens):
+    kp = keys[..., :t].transpose(-1, -2)
+    s = partial_scores(query, kp, 1.0)
+    g = aggregate_group(s, valid, keys.shape[1], agg)
+    return select_positions(g, valid, alpha, budget, budget_tokens, min_tokens), g
+
+
+SETTINGS = [
+    (4.0, 1.0, None, 1),
+    (2.0, 0.25, None, 3),
+    (math.inf, 0.1, None, 1),
+    (0.5, 1.0, 6, 12),
+    (3.0, 0.5, 7, 2),
+]
+
+
+@pytest.mark.parametrize("agg", ["union", "max", "sum"])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("t", [1, 9, 40, 300])
+@pytest.mark.parametrize("padded", [False, True])
+def test_kernel_equals_tensor_path(agg, setting, t, padded):
+    alpha, budget, budget_tokens, min_tokens = setting
+    for seed in range(3):
+        keys, query, valid = _case(seed, t=t, padded=padded)
+        ref, _ = _reference(keys, query, valid, t, agg, alpha, budget, budget_tokens, min_tokens)
+        idx, counts = kernels.select(
+            keys, t, query, valid if padded else None, agg, alpha, budget, budget_tokens, min_tokens
+        )
+        assert torch.equal(counts, ref.counts)
+        n = idx.shape[-1]
+        assert n == ref.indices.shape[-1]
+        slots = torch.arange(n) < counts[..., None]
+        assert torch.equal(torch.where(slots, idx, 0), ref.indices)
+        assert not idx[~slots].any()  # padding slots hold 0
+
+
+def test_kernel_mass_aggregation_matches_up_to_rounding():
+    """`mass` goes through exp and log, whose rounding differs: the selections agree wherever
+    the reference's ranking is not within rounding of its cut."""
+    for seed in range(4):
+        keys, query, valid = _case(seed, t=200)
+        keys = keys * 0.37  # non-integer scores: a spread of distinct values
+        ref, g = _reference(keys, query, valid, 200, "mass", math.inf, 0.1, None, 1)
+        idx, counts = kernels.select(keys, 200, query, valid, "mass", math.inf, 0.1, None, 1)
+        assert torch.equal(counts, ref.counts)
+        for bb in range(2):
+            for h in range(2):
+                want = set(ref.indices[bb, h, : ref.counts[bb, h]].tolist())
+                got = set(idx[bb, h, : counts[bb, h]].tolist())
+                cut = g[bb, h, sorted(want)].min()
+                near = {p for p in range(200) if valid[bb, h, p] and abs(g[bb, h, p] - cut) < 1e-4}
+                assert want ^ got <= near
+
+
+def test_kernel_all_valid_view_equals_explicit_mask_and_honours_room():
+    keys, query, _ = _case(5, t=64, room=100, padded=False)
+    full = torch.ones(2, 2, 64, dtype=torch.bool)
+    a = kernels.select(keys, 64, query, None, "union", 3.0, 1.0, None, 2)
+    b = kernels.select(keys, 64, query, full, "union", 3.0, 1.0, None, 2)
+    ref, _ = _reference(keys, query, all_valid(2, 2, 64), 64, "union", 3.0, 1.0, None, 2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[0], ref.indices)
+    with pytest.raises(ValueError, match="room"):
+        kernels.select(keys, 101, query, None, "union", 3.0, 1.0, None, 2)
