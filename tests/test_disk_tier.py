@@ -13,6 +13,7 @@ from collections import namedtuple
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,6 +73,20 @@ def kv_dir(tmp_path):
     yield {"directory": tmp_path, "allow_buffered": True}
 
 
+@pytest.fixture(params=["c", "python"])
+def gather_path(request, monkeypatch):
+    """Every read test runs on the C gather and on the Python one (its fallback and reference)."""
+    from infinigen import kernels
+
+    if request.param == "python":
+        monkeypatch.setenv("INFINIGEN_KERNELS", "0")
+    elif not kernels.available():
+        if os.environ.get("CI"):
+            pytest.fail("the C gather must build on CI (a C compiler is installed)")
+        pytest.skip("no C compiler here")
+    return request.param
+
+
 def _pair(kv_dir, dtype=torch.float16, b=B, h=H, d=D, capacity=CAPACITY, **kw):
     ram = RamTier(b, h, d, dtype, TransferStats())
     disk = DiskTier(b, h, d, dtype, TransferStats(), capacity=capacity, **kv_dir, **kw)
@@ -105,9 +120,10 @@ def _files(directory) -> list[str]:
     [(torch.float16, 64), (torch.float32, 64), (torch.bfloat16, 64), (torch.float16, 40)],
     ids=["fp16", "fp32", "bf16", "fp16-d40-straddling"],
 )
-def test_bit_identical_to_ram(kv_dir, dtype, d):
+@pytest.mark.parametrize("cache", [0.0, 0.3])
+def test_bit_identical_to_ram(kv_dir, dtype, d, cache, gather_path):
     gen = torch.Generator().manual_seed(0)
-    ram, disk = _pair(kv_dir, dtype, d=d)
+    ram, disk = _pair(kv_dir, dtype, d=d, cache_fraction=cache)
     with disk:
         _append_both(ram, disk, PREFILL, gen)
         for step in range(DECODE):
@@ -175,23 +191,15 @@ def test_decode_appends_write_whole_blocks_behind(kv_dir, monkeypatch):
         assert torch.equal(ram.peek_all()[0], disk.peek_all()[0])
 
 
-def test_coalescing_and_counting(kv_dir, monkeypatch):
+def test_coalescing_and_counting(kv_dir, gather_path):
     gen = torch.Generator().manual_seed(2)
-    ram, disk = _pair(kv_dir)  # fp16, d=64: 256-byte records, 16 per 4 KiB block
+    ram, disk = _pair(kv_dir)  # fp16, d=64: 256-byte records, 16 per 4 KiB block; no block cache
     rec, blk = disk.record_bytes, disk.block_size
     assert rec == 256
     with disk:
         _append_both(ram, disk, PREFILL + DECODE, gen)
         n = disk.length
-        read = []
-        real = os.preadv
-
-        def counting(fd, bufs, off):
-            got = real(fd, bufs, off)
-            read.append(got)
-            return got
-
-        monkeypatch.setattr(os, "preadv", counting)
+        on_disk = n // (blk // rec) * (blk // rec)  # the partial tail block is served from RAM
 
         def select(positions, b=0, h=1):
             idx = torch.zeros(B, H, len(positions), dtype=torch.long)
@@ -202,41 +210,38 @@ def test_coalescing_and_counting(kv_dir, monkeypatch):
 
         # Every position of one region: exactly the blocks holding it, amplification 1.
         disk.stats.reset()
-        read.clear()
         before_read, before_useful = disk.bytes_read, disk.bytes_useful
         disk.gather(*select(list(range(n))), torch.device("cpu"), torch.float16)
-        expect = -(-n * rec // blk) * blk
-        assert disk.stats.bytes == sum(read) == expect
+        expect = on_disk * rec
+        assert disk.stats.bytes - disk.stats.cached_bytes == expect
+        assert disk.stats.cached_bytes == (n - on_disk) * rec
         assert disk.stats.rows == n
-        assert disk.bytes_useful - before_useful == n * rec
+        assert disk.bytes_useful - before_useful == on_disk * rec
         assert disk.bytes_read - before_read == expect
-        assert len(read) == 1  # one contiguous run, one request
+        assert disk.stats.reads == 1  # one contiguous run, one request
 
         # Scattered: one row every 4 blocks (gap of 3 > coalesce_gap_blocks=2) -> one block each.
         disk.stats.reset()
-        read.clear()
         before_read, before_useful = disk.bytes_read, disk.bytes_useful
-        pos = list(range(0, n, 64))
+        pos = list(range(0, on_disk, 64))
         disk.gather(*select(pos), torch.device("cpu"), torch.float16)
-        assert disk.stats.bytes == sum(read) == len(pos) * blk
-        assert len(read) == len(pos)
+        assert disk.stats.bytes == len(pos) * blk
+        assert disk.stats.reads == len(pos)
         amp = (disk.bytes_read - before_read) / (disk.bytes_useful - before_useful)
         assert amp == blk / rec > 1
 
         # One row every 2 blocks (gap of 1): merged into a single run including the gaps.
         disk.stats.reset()
-        read.clear()
-        pos = list(range(0, n, 32))
+        pos = list(range(0, on_disk, 32))
         disk.gather(*select(pos), torch.device("cpu"), torch.float16)
-        assert disk.stats.bytes == sum(read) == ((pos[-1] * rec) // blk + 1) * blk
-        assert len(read) == 1
+        assert disk.stats.bytes == ((pos[-1] * rec) // blk + 1) * blk
+        assert disk.stats.reads == 1
 
         # read_all: one sequential read per region, counted exactly.
         disk.stats.reset()
-        read.clear()
         disk.read_all(n, torch.device("cpu"), torch.float16)
-        assert len(read) == B * H
-        assert disk.stats.bytes == sum(read) == B * H * expect
+        assert disk.stats.reads == B * H
+        assert disk.stats.bytes - disk.stats.cached_bytes == B * H * expect
         assert disk.stats.rows == B * H * n
 
         # peek_all reads but does not count.
@@ -244,6 +249,64 @@ def test_coalescing_and_counting(kv_dir, monkeypatch):
         disk.peek_all()
         assert disk.stats.bytes == disk.stats.requests == 0
         assert disk.read_amplification > 1
+
+
+def test_block_cache_serves_repeated_blocks_from_ram(kv_dir, gather_path):
+    """A block read once is served from RAM next time; the cache never holds more than its
+    slots; rows stay identical to the RAM tier's however the cache turns over."""
+    gen = torch.Generator().manual_seed(7)
+    ram, disk = _pair(kv_dir, cache_fraction=0.25)
+    with disk:
+        _append_both(ram, disk, PREFILL + DECODE, gen)
+        slots = disk.cache.slots
+        assert slots == -(-disk.file_bytes // disk.block_size // 4)
+        idx, valid = _selection(B, H, 5, 256, gen, p_valid=1.0)  # on disk, and at most 30 blocks: they all fit
+        disk.stats.reset()
+        first = disk.gather(idx, valid, torch.device("cpu"), torch.float32)
+        assert disk.stats.cached_bytes == 0 and disk.stats.reads > 0
+        disk.stats.reset()
+        again = disk.gather(idx, valid, torch.device("cpu"), torch.float32)
+        assert disk.stats.reads == 0 and disk.stats.bytes == disk.stats.cached_bytes == B * H * 5 * disk.row_bytes
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+        for _ in range(12):  # selections that overflow the cache: it turns over, rows stay right
+            idx, valid = _selection(B, H, 120, disk.length, gen)
+            kd, vd = disk.gather(idx, valid, torch.device("cpu"), torch.float32)
+            kr, vr = ram.gather(idx, valid, torch.device("cpu"), torch.float32)
+            assert torch.equal(kd, kr) and torch.equal(vd, vr)
+            assert (disk.cache.block_in >= 0).sum() <= slots
+
+
+def test_c_and_python_gathers_read_the_same_bytes(kv_dir, monkeypatch):
+    """Same rows, same bytes, same reads and the same cache state, step after step."""
+    from infinigen import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(8)
+    tiers = []
+    for _ in range(2):
+        _, disk = _pair(kv_dir, cache_fraction=0.2)
+        gen_data = torch.Generator().manual_seed(9)
+        _append_both(RamTier(B, H, D, torch.float16, TransferStats()), disk, PREFILL, gen_data)
+        tiers.append(disk)
+    try:
+        for _ in range(10):
+            idx, valid = _selection(B, H, 60, PREFILL, gen)
+            out = []
+            for path, disk in zip(("c", "python"), tiers):
+                monkeypatch.setenv("INFINIGEN_KERNELS", "1" if path == "c" else "0")
+                disk.stats.reset()
+                out.append(
+                    (disk.gather(idx, valid, torch.device("cpu"), torch.float16), disk.stats.bytes, disk.stats.reads)
+                )
+            (kc, vc), bc, rc = out[0]
+            (kp, vp), bp, rp = out[1]
+            assert torch.equal(kc, kp) and torch.equal(vc, vp) and bc == bp and rc == rp
+            a, b = tiers[0].cache, tiers[1].cache
+            assert np.array_equal(a.slot_of, b.slot_of) and np.array_equal(a.ref, b.ref) and a.hand[0] == b.hand[0]
+    finally:
+        for disk in tiers:
+            disk.close()
 
 
 def test_gather_async_returns_future_equal_to_gather(kv_dir):
@@ -355,6 +418,7 @@ def test_refused_o_direct_names_directory_or_falls_back(tmp_path, monkeypatch):
 
 
 def test_short_read_and_write_raise(kv_dir, monkeypatch):
+    monkeypatch.setenv("INFINIGEN_KERNELS", "0")  # reads through os.preadv, which this test shortens
     gen = torch.Generator().manual_seed(5)
     ram, disk = _pair(kv_dir)
     with disk:

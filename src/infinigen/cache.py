@@ -85,6 +85,7 @@ class InfiniGenCache(SessionCache):
             host_capacity=config.host_capacity,
             pool_positions=max_length,
             eviction=config.eviction,
+            block_cache=config.block_cache,
         )
         self.positions = Positions()
         self.counters = CacheCounters(trace=[] if trace else None)

@@ -192,6 +192,12 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     )
     kv_dir: str | None = knob(None, "folder for the disk tier's files (default $INFINIGEN_KV_DIR or the temp folder)")
     io_threads: int = knob(4, "disk reads in flight", at_least(1))
+    block_cache: float = knob(
+        0.2,
+        "disk tier: fraction of each layer's 4 KiB blocks also kept in RAM as a read cache (lossless, least "
+        "recently used out); 0 reads every block from disk",
+        fraction(low_open=False),
+    )
     host_capacity: float | None = knob(
         None,
         "cap the speculated layers' rows to this fraction of the generation's positions in a host pool "

@@ -1,12 +1,15 @@
 """Small C kernels for the decode hot path, compiled once per machine on first use.
 
-Selection at decode is a dozen tensor operations per layer over every cached position; each
-costs microseconds of dispatch and a pass over memory, which on a CPU adds up to a large share
-of a step. `select.c` does the same rule in one pass. It is plain C99 built with the system C
-compiler (``$CC``, else ``cc``) for the CPU it runs on, cached under the infinigen cache folder
-keyed by the source, the compiler flags and the CPU, and called through ctypes (no Python
-headers). Without a compiler, or with ``INFINIGEN_KERNELS=0``, `available()` is False and
-callers use the tensor operations of `infinigen.speculate`, which the tests hold the kernel to.
+Selection at decode is a dozen tensor operations per layer over every cached position, and a
+disk gather a dozen more plus one system call per read; each costs microseconds of dispatch
+and holds the interpreter lock, which on a CPU adds up to a large share of a step. `select.c`
+does the selection rule in one pass; `gather.c` does a disk tier's gather (RAM tail, block
+cache, coalesced reads all in flight through Linux AIO, row assembly) without the interpreter
+lock. They are plain C99 built with the system C compiler (``$CC``, else ``cc``) for the CPU
+they run on, cached under the infinigen cache folder keyed by the sources, the compiler flags
+and the CPU, and called through ctypes (no Python headers). Without a compiler, or with
+``INFINIGEN_KERNELS=0``, `available()` is False and callers use their Python code (tensor
+operations for the selection, `DiskTier`'s own gather), which the tests hold the kernels to.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from infinigen.paths import default_cache_dir
 
-_SOURCE = Path(__file__).with_name("select.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c")]
 AGGREGATIONS = {"max": 0, "union": 1, "sum": 2, "mass": 3}
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
 
@@ -54,17 +57,17 @@ def _compile() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC)")
-    source = _SOURCE.read_bytes()
+    source = b"".join(src.read_bytes() for src in _SOURCES)
     folder = default_cache_dir() / "kernels"
     errors = []
     for flags in _FLAG_SETS:
         key = hashlib.sha256(source + " ".join([cc, *flags]).encode() + _cpu_key().encode()).hexdigest()[:16]
-        target = folder / f"select-{key}.so"
+        target = folder / f"infinigen-{key}.so"
         if not target.exists():
             folder.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
             os.close(fd)
-            cmd = [cc, *flags, "-std=c99", "-fPIC", "-shared", "-o", tmp, str(_SOURCE), "-lm"]
+            cmd = [cc, *flags, "-std=c99", "-fPIC", "-shared", "-o", tmp, *map(str, _SOURCES), "-lm"]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 os.unlink(tmp)
@@ -81,6 +84,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     p, i64, f32, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
     lib.ig_select.restype = i64
     lib.ig_select.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, p, p, p, p, p]
+    u64 = ctypes.c_uint64
+    lib.ig_aio_setup.restype = u64
+    lib.ig_aio_setup.argtypes = [i64]
+    lib.ig_aio_destroy.restype = None
+    lib.ig_aio_destroy.argtypes = [u64]
+    lib.ig_gather_rows.restype = i64
+    lib.ig_gather_rows.argtypes = [cint, i64, i64, i64, i64, p, p, i64, p, p, i64, p, p, p, p, i64, i64, u64]
+    lib.ig_gather_rows.argtypes += [p, i64, p, p, p, p]
 
 
 def library() -> ctypes.CDLL | None:

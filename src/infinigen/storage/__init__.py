@@ -61,7 +61,8 @@ class Storage:
     layers:        how many tiers this factory will build: the disk space for all of them is
                    reserved (checked) once, before the first byte is written;
     host_capacity: None, or the fraction of `pool_positions` (default: the first append) a
-                   capped host pool keeps per (batch row, KV head); only for `new_tier(pooled=True)`.
+                   capped host pool keeps per (batch row, KV head); only for `new_tier(pooled=True)`;
+    block_cache:   the fraction of a disk tier's blocks also kept in RAM as a read cache.
     """
 
     def __init__(
@@ -78,12 +79,14 @@ class Storage:
         host_capacity: float | None = None,
         pool_positions: int | None = None,
         eviction: str = "counter",
+        block_cache: float = 0.0,
     ) -> None:
         check_combination(tier, fmt, pooled=host_capacity is not None)
         self.tier, self.fmt, self.kv_dtype = tier, fmt, kv_dtype
         self.capacity, self.layers = capacity, layers
         self.directory, self.io_threads, self.device = directory, io_threads, device
         self.host_capacity, self.pool_positions, self.eviction = host_capacity, pool_positions, eviction
+        self.block_cache = block_cache
         self.stats = TransferStats()
         self._threads: IOThreads | None = None
         self._reserved = False
@@ -123,8 +126,9 @@ class Storage:
                 self._threads = IOThreads(self.io_threads)
                 self._finalizer = weakref.finalize(self, self._threads.shutdown, False)
             return DiskTier(
-                batch, kv_heads, head_dim, dtype, stats, self.capacity, self.directory, threads=self._threads
-            )
+                batch, kv_heads, head_dim, dtype, stats, self.capacity, self.directory, threads=self._threads,
+                cache_fraction=self.block_cache,
+            )  # fmt: skip
         return PinnedTier(batch, kv_heads, head_dim, dtype, stats, self.device if self.device is not None else "cuda")
 
     def close(self) -> None:

@@ -28,7 +28,8 @@ class TransferStats:
                   tier's unwritten tail blocks), exact, without amplification;
     useful_bytes: bytes of the rows asked for that came from the medium, so that
                   amplification = (bytes - cached_bytes) / useful_bytes;
-    rows:         (position, KV head) rows delivered; requests: transfers issued; seconds: time spent.
+    rows:         (position, KV head) rows delivered; requests: transfers issued; reads: read
+                  requests sent to the medium (disk); seconds: time spent.
     """
 
     bytes: int = 0
@@ -36,11 +37,18 @@ class TransferStats:
     useful_bytes: int = 0
     rows: int = 0
     requests: int = 0
+    reads: int = 0
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(
-        self, nbytes: int, rows: int, seconds: float, useful_bytes: int | None = None, cached_bytes: int = 0
+        self,
+        nbytes: int,
+        rows: int,
+        seconds: float,
+        useful_bytes: int | None = None,
+        cached_bytes: int = 0,
+        reads: int = 0,
     ) -> None:
         """Count one transfer (called from I/O threads too): `nbytes` from the medium, `cached_bytes` from RAM."""
         with self._lock:
@@ -49,6 +57,7 @@ class TransferStats:
             self.useful_bytes += nbytes if useful_bytes is None else useful_bytes
             self.rows += rows
             self.requests += 1
+            self.reads += reads
             self.seconds += seconds
 
     @property
@@ -58,7 +67,7 @@ class TransferStats:
 
     def reset(self) -> None:
         with self._lock:
-            self.bytes = self.cached_bytes = self.useful_bytes = self.rows = self.requests = 0
+            self.bytes = self.cached_bytes = self.useful_bytes = self.rows = self.requests = self.reads = 0
             self.seconds = 0.0
 
 

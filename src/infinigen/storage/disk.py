@@ -45,7 +45,9 @@ disk, so ``read_amplification`` = bytes read / bytes useful.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import math
 import mmap
 import os
 import shutil
@@ -58,7 +60,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import infinigen.kernels as kernels
 from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats, copy_prefix, scatter_rows
+from infinigen.storage.blockcache import PINNED, USED, BlockCache
 
 ENV_DIR = "INFINIGEN_KV_DIR"
 _MIN_BLOCK = 4096
@@ -137,6 +141,7 @@ class _Resources:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = -1
+        self.aio = 0  # a Linux AIO context for the C gather (0: none)
         self.own_threads: IOThreads | None = None
 
 
@@ -144,6 +149,11 @@ def _release(res: _Resources, wait: bool = False) -> None:
     threads, res.own_threads = res.own_threads, None
     if threads is not None:
         threads.shutdown(wait=wait)
+    if res.aio:
+        lib = kernels.library()
+        if lib is not None:
+            lib.ig_aio_destroy(res.aio)
+        res.aio = 0
     if res.fd >= 0:
         try:
             os.close(res.fd)
@@ -188,12 +198,15 @@ class DiskTier(KVTier):
         threads: IOThreads | None = None,
         allow_buffered: bool = False,
         coalesce_gap_blocks: int = 2,
+        cache_fraction: float = 0.0,
     ) -> None:
         super().__init__(batch, kv_heads, head_dim, dtype, stats)
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1 position, got {capacity}")
         if coalesce_gap_blocks < 0:
             raise ValueError(f"coalesce_gap_blocks must be >= 0, got {coalesce_gap_blocks}")
+        if not 0 <= cache_fraction <= 1:
+            raise ValueError(f"cache_fraction must be in [0, 1], got {cache_fraction}")
         self.capacity = int(capacity)
         self.coalesce_gap_blocks = int(coalesce_gap_blocks)
         self.directory = Path(directory) if directory is not None else default_directory()
@@ -203,6 +216,7 @@ class DiskTier(KVTier):
         self._closed = False
         self._stage: mmap.mmap | None = None
         self._read_buf: mmap.mmap | None = None  # reused by every gather (they never overlap)
+        self._buffer_address = 0
         self._pending: list[Future] = []  # block writes handed to the I/O thread
 
         check_space(self.directory, 0)
@@ -224,11 +238,18 @@ class DiskTier(KVTier):
                 threads = self._res.own_threads = IOThreads(readers)
             self.threads = threads
             self.direct = self._open(allow_buffered)
+            lib = kernels.library()
+            if lib is not None:
+                self._res.aio = int(lib.ig_aio_setup(256))  # 0 where AIO is unavailable: pread then
         except BaseException:
             self._finalizer()
             raise
         # The last, partially filled block of every region (see "Appends" in the docstring).
         self._tails = torch.zeros(self.regions, self.block_size, dtype=torch.uint8)
+        file_blocks = self.file_bytes // self.block_size
+        self.cache: BlockCache | None = None
+        if cache_fraction > 0 and self.record_bytes <= self.block_size:
+            self.cache = BlockCache(max(1, math.ceil(cache_fraction * file_blocks)), self.block_size, file_blocks)
 
     # ------------------------------------------------------------------ setup
     def _block_size(self) -> int:
@@ -444,15 +465,24 @@ class DiskTier(KVTier):
         else:
             base = np.repeat(np.cumsum(count) - count, count)
             blocks = np.repeat(first, count) + (np.arange(int(count.sum())) - base)
-        blocks = np.unique(blocks)
+        runs, _, nbytes = self._runs(np.unique(blocks))
+        run_first, _, run_buf = runs
+        which = np.searchsorted(run_first, first, side="right") - 1
+        offsets = (run_buf[which] - run_first[which]) * blk + start
+        return runs, offsets, nbytes
+
+    def _runs(self, blocks: np.ndarray):
+        """Sorted unique blocks merged into runs across gaps of at most `coalesce_gap_blocks`.
+        Returns (runs, buffer byte offset of every block, buffer bytes)."""
+        blk = self.block_size
         cut = np.nonzero(np.diff(blocks) > self.coalesce_gap_blocks + 1)[0] + 1
         run_first = blocks[np.concatenate(([0], cut))]
         run_last = blocks[np.concatenate((cut - 1, [len(blocks) - 1]))]
         run_len = run_last - run_first + 1
         run_buf = np.cumsum(run_len) - run_len
-        which = np.searchsorted(run_first, first, side="right") - 1
-        offsets = (run_buf[which] - run_first[which]) * blk + start
-        return (run_first, run_len, run_buf), offsets, int(run_len.sum()) * blk
+        which = np.searchsorted(run_first, blocks, side="right") - 1
+        where = (run_buf[which] + blocks - run_first[which]) * blk
+        return (run_first, run_len, run_buf), where, int(run_len.sum()) * blk
 
     def _requests(self, runs, view: memoryview) -> list[tuple[memoryview, int]]:
         blk = self.block_size
@@ -467,14 +497,14 @@ class DiskTier(KVTier):
     def _buffer(self, nbytes: int) -> mmap.mmap:
         """The reused read buffer, grown to `nbytes` (page aligned)."""
         if self._read_buf is None or len(self._read_buf) < nbytes:
-            self._read_buf = _aligned(max(nbytes, 2 * len(self._read_buf or b"")))
+            self._read_buf = _aligned(max(nbytes, 2 * len(self._read_buf or b""), 1 << 16))
+            self._buffer_address = ctypes.addressof(ctypes.c_char.from_buffer(self._read_buf))
         return self._read_buf
 
-    def _count(self, nbytes: int, disk_rows: int, ram_rows: int, seconds: float) -> None:
+    def _count(self, nbytes: int, disk_rows: int, ram_rows: int, seconds: float, reads: int = 0) -> None:
         useful = disk_rows * self.row_bytes
-        self.stats.add(
-            nbytes, disk_rows + ram_rows, seconds, useful_bytes=useful, cached_bytes=ram_rows * self.row_bytes
-        )
+        cached = ram_rows * self.row_bytes
+        self.stats.add(nbytes, disk_rows + ram_rows, seconds, useful_bytes=useful, cached_bytes=cached, reads=reads)
         self.bytes_read += nbytes  # a tier's reads run on one control thread: no lock needed
         self.bytes_useful += useful
 
@@ -495,29 +525,108 @@ class DiskTier(KVTier):
         pos = indices[flat]
         m = int(pos.numel())
         rows = torch.empty(m, rec, dtype=torch.uint8)
-        tail_pos = self._tail_start(length) // rec  # positions from here on are in the RAM tail
-        region = flat[0] * self.kv_heads + flat[1]
-        in_ram = pos >= tail_pos
-        nbytes = disk_rows = 0
+        nbytes = reads = disk_rows = ram_rows = 0
         if m:
-            on_disk = ~in_ram
-            disk_rows = int(on_disk.sum())
-            if disk_rows:
-                sel = on_disk.nonzero(as_tuple=True)[0]
-                runs, offsets, nbytes = self._plan(region[sel].numpy(), pos[sel].numpy())
-                buf = self._buffer(nbytes)
-                self._drop_cache()
-                self._read_many(self._requests(runs, memoryview(buf)))
-                raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
-                rows[sel] = raw.view(-1, rec)[torch.from_numpy(offsets // rec)]
-            if disk_rows < m:
-                sel = in_ram.nonzero(as_tuple=True)[0]
-                rows[sel] = self._tails.view(self.regions, -1, rec)[region[sel], pos[sel] - tail_pos]
+            region = (flat[0] * self.kv_heads + flat[1]).numpy()
+            tail_pos = self._tail_start(length) // rec  # positions from here on are in the RAM tail
+            nbytes, reads, disk_rows, ram_rows = self._read_records(region, pos.numpy(), tail_pos, rows)
         width = 2 * d * torch.empty((), dtype=self.dtype).element_size()
         kv = rows[:, :width].view(self.dtype)
         k, v = scatter_rows(flat, kv[:, :d], kv[:, d:], shape, device, dtype, out)
-        self._count(nbytes, disk_rows, m - disk_rows, time.perf_counter() - t0)
+        self._count(nbytes, disk_rows, ram_rows, time.perf_counter() - t0, reads)
         return k, v
+
+    def _read_records(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
+        """The records of positions (region, pos), sorted by file offset, into rows [m, rec]:
+        from the RAM tail, the block cache, or disk (the missing blocks merged into runs and
+        read, then admitted to the cache). Returns (bytes read, reads, rows from disk, rows from RAM)."""
+        lib = kernels.library() if self.record_bytes <= self.block_size else None
+        if lib is None:
+            return self._read_records_python(region, pos, tail_pos, rows)
+        region = np.ascontiguousarray(region, dtype=np.int64)
+        pos = np.ascontiguousarray(pos, dtype=np.int64)
+        m = len(pos)
+        work = np.empty(2 * m, dtype=np.int64)
+        stats = np.zeros(5, dtype=np.int64)
+        cache = self.cache
+        self._drop_cache()
+        while True:
+            buf = self._buffer(0)
+            rc = lib.ig_gather_rows(
+                self._res.fd, self.block_size, self.region_bytes, self.record_bytes, m,
+                region.ctypes.data, pos.ctypes.data, tail_pos, self._tails.data_ptr(),
+                cache.data.data_ptr() if cache else None, cache.slots if cache else 0,
+                cache.slot_of.ctypes.data if cache else None, cache.block_in.ctypes.data if cache else None,
+                cache.ref.ctypes.data if cache else None, cache.hand.ctypes.data if cache else None,
+                self.coalesce_gap_blocks, self.max_request_bytes, self._res.aio, self._buffer_address,
+                len(buf), work.ctypes.data, work[m:].ctypes.data, rows.data_ptr(), stats.ctypes.data,
+            )  # fmt: skip
+            if rc > 0:
+                self._buffer(int(rc))  # grow the read buffer and try again
+                continue
+            if rc < 0:
+                err = -int(rc)
+                what = "short read from" if err == errno.EIO else "reading"
+                raise KVStorageError(err, f"{what} the KV file {self.path} failed: {os.strerror(err)}")
+            return int(stats[0]), int(stats[1]), int(stats[2]), int(stats[3])
+
+    def _read_records_python(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
+        """`_read_records` without the C kernel: the same reads, the same cache policy."""
+        rec, blk, cache = self.record_bytes, self.block_size, self.cache
+        m = len(pos)
+        in_tail = pos >= tail_pos
+        if in_tail.any():
+            t = np.nonzero(in_tail)[0]
+            tails = self._tails.view(self.regions, -1, rec)
+            rows[torch.from_numpy(t)] = tails[torch.from_numpy(region[t]), torch.from_numpy(pos[t] - tail_pos)]
+        d = np.nonzero(~in_tail)[0]
+        if not len(d):
+            return 0, 0, 0, m
+        if rec > blk:  # records span whole blocks (no cache then): plan them block by block
+            runs, offsets, nbytes = self._plan(region[d], pos[d])
+            reqs = self._requests(runs, memoryview(self._buffer(nbytes)))
+            self._drop_cache()
+            self._read_many(reqs)
+            raw = torch.frombuffer(self._read_buf, dtype=torch.uint8, count=nbytes)
+            rows[torch.from_numpy(d)] = raw.view(-1, rec)[torch.from_numpy(offsets // rec)]
+            return nbytes, len(reqs), len(d), m - len(d)
+        start = region[d] * self.region_bytes + pos[d] * rec
+        blocks, which = np.unique(start // blk, return_inverse=True)
+        slots = cache.slot_of[blocks] if cache is not None else np.full(len(blocks), -1, dtype=np.int64)
+        hit = slots >= 0
+        if cache is not None:
+            cache.ref[slots[hit]] = PINNED
+        nbytes, reads, where = 0, 0, np.full(len(blocks), -1, dtype=np.int64)
+        if not hit.all():
+            missing = np.nonzero(~hit)[0]
+            runs, at, nbytes = self._runs(blocks[missing])
+            where[missing] = at
+            reqs = self._requests(runs, memoryview(self._buffer(nbytes)))
+            self._drop_cache()
+            self._read_many(reqs)
+            reads = len(reqs)
+            raw = torch.frombuffer(self._read_buf, dtype=torch.uint8, count=nbytes).view(-1, blk)
+            for j in missing if cache is not None else ():
+                s = cache.victim()
+                if s < 0:
+                    break
+                cache.place(int(blocks[j]), s)
+                cache.data[s] = raw[where[j] // blk]
+        inside = start % blk
+        from_cache = hit[which]
+        c, r = np.nonzero(from_cache)[0], np.nonzero(~from_cache)[0]
+        if len(c):
+            idx = (slots[which[c]] * blk + inside[c]) // rec
+            rows[torch.from_numpy(d[c])] = cache.data.view(-1, rec)[torch.from_numpy(idx)]
+        if len(r):
+            raw = torch.frombuffer(self._read_buf, dtype=torch.uint8, count=nbytes)
+            idx = (where[which[r]] + inside[r]) // rec
+            rows[torch.from_numpy(d[r])] = raw.view(-1, rec)[torch.from_numpy(idx)]
+        if cache is not None:  # this gather's slots: used, no longer pinned
+            cache.ref[slots[hit]] = USED
+            placed = cache.slot_of[blocks[~hit]]
+            cache.ref[placed[placed >= 0]] = USED
+        return nbytes, reads, len(r), m - len(r)
 
     def _read_prefix(self, upto: int, out=None, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Positions [0, upto) of every region as [B, Hkv, upto, d] (into `out`, or new tensors
@@ -554,7 +663,10 @@ class DiskTier(KVTier):
         t0 = time.perf_counter()
         k, v, nbytes = self._read_prefix(upto, out, device, dtype)
         tail_rows = max(upto - self._tail_start() // self.record_bytes, 0)
-        self._count(nbytes, self.regions * (upto - tail_rows), self.regions * tail_rows, time.perf_counter() - t0)
+        reads = self.regions if nbytes else 0
+        self._count(
+            nbytes, self.regions * (upto - tail_rows), self.regions * tail_rows, time.perf_counter() - t0, reads
+        )
         return k, v
 
     def _read_all_async(self, upto, device, dtype, out=None) -> Future:
