@@ -79,6 +79,18 @@ FORBIDDEN = {
     "infinigen.cache": ("infinigen.attach",),
     "infinigen.models": ("infinigen.cache", "infinigen.layers", "infinigen.attach", "infinigen.select"),
     "infinigen.skew": ("infinigen.cache", "infinigen.layers", "infinigen.attach", "infinigen.select"),
+    # Kernels only do faster what code above them does: they know no part of the method.
+    "infinigen.kernels": (
+        "infinigen.storage",
+        "infinigen.select",
+        "infinigen.speculate",
+        "infinigen.layers",
+        "infinigen.cache",
+        "infinigen.attach",
+        "infinigen.config",
+        "infinigen.models",
+    ),
+    "infinigen.growing": ("infinigen.",),
 }
 
 
