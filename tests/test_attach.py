@@ -24,6 +24,7 @@ def snapshot(model):
         "attn": model.config._attn_implementation,
         "own_generate": "generate" in vars(model),
         "config": model.config.to_dict(),
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -31,7 +32,7 @@ def assert_same(before, after):
     assert before["params"].keys() == after["params"].keys()
     for k, v in before["params"].items():
         assert torch.equal(v, after["params"][k]), k
-    for key in ("modules", "hooks", "attn", "own_generate", "config"):
+    for key in ("modules", "hooks", "attn", "own_generate", "config", "threads"):
         assert before[key] == after[key], key
 
 
@@ -64,6 +65,23 @@ def test_an_exception_inside_the_block_restores_the_model_too():
     with attach(model, CFG, progress=False):  # and it can be attached again
         pass
     assert_same(before, snapshot(model))
+
+
+def test_compute_threads_are_set_while_attached_and_restored():
+    model = tiny_model("llama")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        with attach(model, CFG, progress=False):
+            assert torch.get_num_threads() == 2  # offloading: one core left to the prefetch thread
+        assert torch.get_num_threads() == 3
+        with attach(model, CFG.replace(policy="dense"), progress=False):
+            assert torch.get_num_threads() == 3  # nothing runs beside a dense decode
+        with attach(model, CFG.replace(compute_threads=1), progress=False):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_plain_generate_inside_the_block_uses_an_infinigen_cache():

@@ -2,10 +2,12 @@
 
 Attaching loads (or calibrates) the skew artifact, registers the "infinigen" attention function,
 sets it as the model's attention implementation, adds one forward pre-hook per attention module,
-folds the skew into the weights of models without RoPE (OPT), and wraps `model.generate` so that
-a plain call uses a fresh `InfiniGenCache`. Every change is recorded with its undo; leaving the
-block (normally or by an exception), or `session.detach()`, restores the model exactly: the same
-parameters bit for bit, the same modules and hooks, attention implementation and `generate`.
+folds the skew into the weights of models without RoPE (OPT), wraps `model.generate` so that a
+plain call uses a fresh `InfiniGenCache`, and sets torch's intra-op threads to the config's
+`threads` (offloading policies leave a core to the prefetch thread). Every change is recorded
+with its undo; leaving the block (normally or by an exception), or `session.detach()`, restores
+the model exactly: the same parameters bit for bit, the same modules and hooks, attention
+implementation and `generate`, and the thread count.
 
 The pre-hook is how the session drives a cache: before layer i's attention it tells the cache
 which of the new tokens are real (layer 0), hands layer i its own input and layer i+1 layer i's
@@ -72,6 +74,10 @@ class Session:
     # ------------------------------------------------------------------ changing the model
     def _change_model(self) -> None:
         model = self.model
+        threads = torch.get_num_threads()
+        if self.config.threads(threads) != threads:
+            torch.set_num_threads(self.config.threads(threads))
+            self._undo.append(functools.partial(torch.set_num_threads, threads))
         register_attention()
         original_attn = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)

@@ -97,8 +97,9 @@ def run_child(args: argparse.Namespace) -> dict:
     from infinigen.loading import load_model
     from infinigen.models import get_adapter
 
-    torch.set_num_threads(args.threads) if args.threads else None
     cfg = InfiniGenConfig.from_dict(json.loads(args.config_json))
+    if args.row == HF_DENSE and cfg.compute_threads:
+        torch.set_num_threads(cfg.compute_threads)  # the other rows get theirs from attach
     hf_dense = args.row == HF_DENSE
     model, tok = load_model(args.model, progress=False)
     rss_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -302,7 +303,7 @@ def run_parent(args: argparse.Namespace) -> int:
                     cmd = [
                         sys.executable, "-m", "infinigen.bench.decode", "--child",
                         "--kv-file", str(kv_file), "--config-json", json.dumps(cfg.to_dict()), "--batch", str(b),
-                        "--steps", str(args.steps), "--threads", str(args.threads), "--profile", str(args.profile),
+                        "--steps", str(args.steps), "--profile", str(args.profile),
                         "--row", p,
                     ]  # fmt: skip
                     if args.model:
@@ -353,7 +354,7 @@ def run_parent(args: argparse.Namespace) -> int:
             "batches": batches,
             "policies": policies,
             "steps": args.steps,
-            "threads": args.threads,
+            "torch_threads": torch.get_num_threads(),
             "configs": {p: cfg.to_dict() for p, cfg in configs},
         },
         "note": note,
@@ -378,7 +379,6 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
         "int4 (RAM tier), quest, oracle",
     )
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="results/bench")
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N", help="print the top N functions of a decode profile per run"
