@@ -67,20 +67,25 @@ def test_an_exception_inside_the_block_restores_the_model_too():
     assert_same(before, snapshot(model))
 
 
-def test_compute_threads_are_set_while_attached_and_restored():
+def test_decode_steps_leave_a_core_to_the_prefetch_thread_and_threads_are_restored():
     model = tiny_model("llama")
+    ids, mask = left_padded_batch()
+    seen = []
+    hook = model.model.layers[1].register_forward_pre_hook(
+        lambda m, a: seen.append((a[0].shape[1], torch.get_num_threads()))
+    )
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
-        with attach(model, CFG, progress=False):
-            assert torch.get_num_threads() == 2  # offloading: one core left to the prefetch thread
-        assert torch.get_num_threads() == 3
-        with attach(model, CFG.replace(policy="dense"), progress=False):
-            assert torch.get_num_threads() == 3  # nothing runs beside a dense decode
-        with attach(model, CFG.replace(compute_threads=1), progress=False):
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 3
+        for cfg, decode_threads in ((CFG, 2), (CFG.replace(policy="dense"), 3), (CFG.replace(compute_threads=1), 1)):
+            seen.clear()
+            with attach(model, cfg, progress=False):
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+            assert seen[0] == (ids.shape[1], 3)  # the prefill uses every thread
+            assert {t for q, t in seen[1:]} == {decode_threads} and all(q == 1 for q, _ in seen[1:])
+            assert torch.get_num_threads() == 3
     finally:
+        hook.remove()
         torch.set_num_threads(before)
 
 

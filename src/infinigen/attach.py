@@ -3,8 +3,9 @@
 Attaching loads (or calibrates) the skew artifact, registers the "infinigen" attention function,
 sets it as the model's attention implementation, adds one forward pre-hook per attention module,
 folds the skew into the weights of models without RoPE (OPT), wraps `model.generate` so that a
-plain call uses a fresh `InfiniGenCache`, and sets torch's intra-op threads to the config's
-`threads` (offloading policies leave a core to the prefetch thread). Every change is recorded
+plain call uses a fresh `InfiniGenCache`; during a decode step it sets torch's intra-op threads
+to the cache config's `threads` (offloading policies leave a core to the prefetch thread; a
+prefill uses every thread). Every change is recorded
 with its undo; leaving the block (normally or by an exception), or `session.detach()`, restores
 the model exactly: the same parameters bit for bit, the same modules and hooks, attention
 implementation and `generate`, and the thread count.
@@ -63,6 +64,7 @@ class Session:
         self._undo: list[Callable[[], None]] = []
         self.folded = False
         self.fingerprint = model_fingerprint(model)
+        self._threads = torch.get_num_threads()  # restored on detach; prefills always use them
         self.artifact = self._artifact_for(self.config) if self.config.spec.selector == "infinigen" else None
         try:
             self._change_model()
@@ -74,10 +76,7 @@ class Session:
     # ------------------------------------------------------------------ changing the model
     def _change_model(self) -> None:
         model = self.model
-        threads = torch.get_num_threads()
-        if self.config.threads(threads) != threads:
-            torch.set_num_threads(self.config.threads(threads))
-            self._undo.append(functools.partial(torch.set_num_threads, threads))
+        self._undo.append(functools.partial(torch.set_num_threads, self._threads))
         register_attention()
         original_attn = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)
@@ -116,10 +115,19 @@ class Session:
         pe = kwargs.get("position_embeddings")
         if layer == 0:
             cache.begin_forward(new_token_validity(kwargs.get("attention_mask"), x, cache.get_seq_length()))
+            self._set_threads(cache, x.shape[1])
         cache.layers[layer].own_input(x, pe)
         if layer + 1 < len(cache.layers):
             cache.layers[layer + 1].previous_input(x, pe)
         return args, {**kwargs, "infinigen_layer": cache.layers[layer]}
+
+    def _set_threads(self, cache: SessionCache, new_tokens: int) -> None:
+        """A decode step runs with its config's compute threads (an offloading policy leaves a
+        core to its prefetch thread); anything else with the threads torch had at attach."""
+        config = getattr(cache, "config", None)
+        want = config.threads(self._threads) if new_tokens == 1 and config is not None else self._threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def detach(self) -> None:
         """Undo every change, newest first (idempotent)."""

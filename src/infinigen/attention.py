@@ -62,6 +62,20 @@ def attend_selection(
     return out.reshape(b, 1, h, d), probs.reshape(b, h, 1, n1)
 
 
+def attend_selection_output(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """`attend_selection`'s output alone, through torch's fused attention (no weights are
+    materialized): for selectors that do not look at the weights. Output [B, 1, H, d]."""
+    b, h, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, h // hkv, d).to(torch.float32)
+    k = key if key.dtype == torch.float32 else key.to(torch.float32)
+    v = value if value.dtype == torch.float32 else value.to(torch.float32)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, :, None, :], scale=scaling)
+    return out.to(query.dtype).reshape(b, 1, h, d)
+
+
 def register_attention() -> None:
     """Make "infinigen" a valid attn_implementation (idempotent; a global registry, not the model)."""
     AttentionInterface.register(ATTN_NAME, infinigen_attention)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from infinigen.attention import attend_selection, dense_attention
+from infinigen.attention import attend_selection, attend_selection_output, dense_attention
 from infinigen.select import Selector
 from infinigen.speculate import PrefillAttention, Selection, all_valid, attention_recall
 from infinigen.storage import KVTier, PooledTier, Storage
@@ -88,10 +88,10 @@ class CacheCounters:
 
 @dataclass
 class LayerStats:
-    """Decode-time statistics of one layer (kept on the device: no host sync per step)."""
+    """Decode-time statistics of one layer."""
 
     steps: int = 0
-    fraction_sum: Any = 0.0  # float64, a tensor once a selection was counted
+    fraction_sum: float = 0.0
     recall_sum: float = 0.0
     recall_n: int = 0
     wait_seconds: float = 0.0
@@ -267,7 +267,7 @@ class OffloadedLayer(SessionLayer):
             self.counters.trace.append(TransferRecord(self.index, issued_at, past, selection))
         out = self._room(selection.indices.shape[2] + 1)
         rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self.dtype, out=out).result()
-        return selection, rows
+        return selection, rows, float(self._fraction(selection, past))
 
     def _room(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers [B, Hkv, >= rows, d] in the compute dtype that transfers write into and the new
@@ -307,9 +307,9 @@ class OffloadedLayer(SessionLayer):
             transfer = self.tier.read_all_async(past, self.device, self.dtype, out=self._room(past + n))
             in_flight = _InFlight(False, transfer, self.index)
         fetched = self._wait(in_flight.transfer) if past > 0 else None
-        selection = None
+        selection = fraction = None
         if in_flight is not None and in_flight.selects:
-            selection, fetched = fetched
+            selection, fetched, fraction = fetched
 
         if self.tier is None:
             self.tier = self.storage.new_tier(b, hkv, d, key_states.dtype, pooled=self.pooled, positions=n)
@@ -325,7 +325,7 @@ class OffloadedLayer(SessionLayer):
         if selection is not None:
             self._selection = selection
             self._attend_valid = torch.cat([selection.valid, selection.valid.new_ones(b, hkv, n)], -1)
-            self._count_step(self._fraction(selection, past))
+            self._count_step(fraction)
         elif n == 1:
             self._count_step(1.0)
         k_rows, v_rows = self._room(m + n)  # the fetched rows are its first m slots already
@@ -343,9 +343,12 @@ class OffloadedLayer(SessionLayer):
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         sc = query.shape[-1] ** -0.5 if scaling is None else scaling
-        out, probs = attend_selection(query, key, value, self._attend_valid, sc)
-        p = probs[:, :, -1]
-        self.selector.observe(self.state, self.index, self._selection, p[..., :-1], p[..., -1])
+        if self.selector.observes:
+            out, probs = attend_selection(query, key, value, self._attend_valid, sc)
+            p = probs[:, :, -1]
+            self.selector.observe(self.state, self.index, self._selection, p[..., :-1], p[..., -1])
+        else:
+            out = attend_selection_output(query, key, value, self._attend_valid, sc)
         if self.measure_recall and self.tier.present(self.length) is None:
             self._record_recall(query, sc)
         return out, None
@@ -360,18 +363,17 @@ class OffloadedLayer(SessionLayer):
         return out
 
     def _fraction(self, selection: Selection, past: int) -> torch.Tensor:
-        """Mean over (batch, KV head) rows of selected / real context (no host sync)."""
+        """Mean over (batch, KV head) rows of selected / real context (computed on the prefetch
+        thread, whose host sync costs the compute nothing)."""
         if not self.positions.padded:
             return selection.counts.to(torch.float32).mean() / max(past, 1)
         context = self.positions.upto(selection.valid.shape[0], past, selection.valid.device).sum(-1)
         ctx = context.clamp(min=1).to(torch.float32)[:, None]
         return (selection.counts.to(torch.float32) / ctx).mean()
 
-    def _count_step(self, fraction) -> None:
+    def _count_step(self, fraction: float) -> None:
         self.stats.steps += 1
-        if isinstance(fraction, torch.Tensor):
-            fraction = fraction.to(torch.float64)
-        self.stats.fraction_sum = self.stats.fraction_sum + fraction
+        self.stats.fraction_sum += fraction
 
     def _record_recall(self, query: torch.Tensor, scaling: float) -> None:
         """Attention mass of the selection under the true (dense) attention — evaluation only."""

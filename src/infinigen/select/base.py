@@ -71,6 +71,12 @@ class Selector:
         """The step's attention weights: probs [B, H, n] on the selection's slots, self_prob
         [B, H] on the current token."""
 
+    @property
+    def observes(self) -> bool:
+        """Whether this selector looks at the attention weights (overrides `observe`): the
+        attention skips computing them for those that do not."""
+        return type(self).observe is not Selector.observe
+
     def describe(self) -> dict[str, Any]:
         """The selector and its knobs, JSON-safe."""
         knobs = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self.knobs).items()}
