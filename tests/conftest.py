@@ -74,3 +74,25 @@ def left_padded_batch(seed: int = 1, length: int = 24, pad: int = 5):
     ids[1, :pad] = 0
     mask[1, :pad] = 0
     return ids, mask
+
+
+def open_files_in(directory, pid: int | str = "self") -> list[str]:
+    """The /proc/<pid>/fd links of the files process `pid` holds open in `directory` (named or
+    not): what the process still occupies there, whatever the directory listing shows. Each
+    link can be stat'ed (os.stat follows it, to the file even when it has no name)."""
+    import os
+    from pathlib import Path
+
+    fds = Path(f"/proc/{pid}/fd")
+    if not fds.is_dir():
+        pytest.skip("needs /proc to see a process's open files")
+    inside = os.path.realpath(directory) + os.sep
+    found = []
+    for fd in fds.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(inside):
+            found.append(str(fd))
+    return found

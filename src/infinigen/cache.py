@@ -16,6 +16,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from infinigen.config import InfiniGenConfig
+from infinigen.errors import InfiniGenError
 from infinigen.layers import CacheCounters, ComputeLayer, OffloadedLayer, Positions
 from infinigen.select import Selector
 from infinigen.storage import Storage
@@ -27,7 +28,7 @@ HOW_TO_MAKE = (
 )
 
 
-class ContextTooLongError(ValueError):
+class ContextTooLongError(InfiniGenError, ValueError):
     """The prompt (plus what will be generated) does not fit the model's context."""
 
 
@@ -78,6 +79,7 @@ class InfiniGenCache(SessionCache):
             config.spec.fmt,
             config.storage_dtype(),
             capacity=capacity,
+            reserve=max_length,
             layers=sum(role != "compute" for role in roles),
             directory=config.kv_dir,
             io_threads=config.io_threads,
