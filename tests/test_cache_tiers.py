@@ -190,3 +190,90 @@ def test_capped_host_pool_evicts_and_never_selects_what_it_evicted(eviction):
     assert len(cache.trace) == speculated * (n - 1)
     # Every selection stays within the pool's capacity per (batch row, KV head).
     assert all(int(r.selection.counts.max()) <= 24 for r in cache.trace)
+
+
+def _fill(directory, name="filler") -> int:
+    """Write a file in `directory` until its disk is full; its size."""
+    import errno
+
+    size = 0
+    with open(directory / name, "wb", buffering=0) as f:
+        chunk = b"\0" * 4096
+        while True:
+            try:
+                size += f.write(chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                return size
+
+
+def test_a_disk_that_fills_mid_run_fails_clearly_and_frees_the_files(mount_tmpfs):
+    """A real full disk (a 512 KiB tmpfs): the run reserved its prompt's room and grows on
+    demand; another writer then takes the rest of the disk; the next growth fails with the
+    sentence, and the KV files' blocks are free again once the error has unwound."""
+    import shutil
+
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    disk = mount_tmpfs("512k")
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(length=40, pad=4)
+    cfg = InfiniGenConfig(policy="full", tier="disk", kv_dir=str(disk), kv_dtype="float32")
+
+    class FillTheDisk(StoppingCriteria):  # another process takes the free space after the first token
+        def __call__(self, input_ids, scores, **kwargs):
+            if not (disk / "filler").exists():
+                assert open_files_in(disk) and list(disk.iterdir()) == []
+                _fill(disk)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    with attach(model, cfg, progress=False):
+        try:
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=100, do_sample=False, pad_token_id=0,
+                stopping_criteria=StoppingCriteriaList([FillTheDisk()]),
+            )  # fmt: skip
+        except KVStorageError as exc:
+            if "O_DIRECT" in str(exc):
+                pytest.skip("this kernel's tmpfs refuses O_DIRECT")
+            raised = exc
+        else:
+            raise AssertionError("the generation fit on a full disk")
+    assert str(raised).startswith(f"the disk holding the KV files ({disk}) is full: growing a layer's KV to ")
+    assert "\n" not in str(raised)
+    assert [p.name for p in disk.iterdir()] == ["filler"] and open_files_in(disk) == []
+    (disk / "filler").unlink()
+    assert shutil.disk_usage(disk).used == 0  # every KV block is free again
+
+
+def test_a_run_whose_length_is_known_reserves_it_and_survives_a_full_disk(mount_tmpfs):
+    """The same full disk, but the cache knows the run's length (max_length, as the command
+    line passes it): its room was allocated up front, so the run completes, identical to RAM."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    disk = mount_tmpfs("512k")
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(length=40, pad=4)
+    cfg = InfiniGenConfig(policy="full", tier="disk", kv_dir=str(disk), kv_dtype="float32")
+
+    class FillTheDisk(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if not (disk / "filler").exists():
+                _fill(disk)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    n = 100
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    with attach(model, cfg, progress=False) as session:
+        try:
+            with session.new_cache(max_length=ids.shape[1] + n) as cache:
+                out = model.generate(
+                    **kwargs, past_key_values=cache, stopping_criteria=StoppingCriteriaList([FillTheDisk()])
+                )
+        except KVStorageError as exc:
+            if "O_DIRECT" in str(exc):
+                pytest.skip("this kernel's tmpfs refuses O_DIRECT")
+            raise
+        ref = model.generate(**kwargs, past_key_values=session.new_cache(cfg.replace(tier="ram")))
+    assert (disk / "filler").exists() and torch.equal(out, ref)
+    assert [p.name for p in disk.iterdir()] == ["filler"] and open_files_in(disk) == []

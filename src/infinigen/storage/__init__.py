@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats
-from infinigen.storage.disk import DiskTier, IOThreads, check_space, grown, reserved_bytes
+from infinigen.storage.disk import DiskTier, IOThreads, check_space, reserved_bytes
 from infinigen.storage.int4 import GROUP, Int4RamTier, fake_quantize_int4, int4_row_bytes
 from infinigen.storage.pinned import PinnedTier
 from infinigen.storage.pool import EVICTIONS, PooledTier, capacity_slots
@@ -61,8 +61,8 @@ class Storage:
     capacity:      positions a disk file is laid out for (prompt + generated tokens, or the
                    model's context when the generation's length is unknown);
     reserve:       positions the generation will reach, if known (prompt + max_new_tokens):
-                   the disk space the files allocate up front; unknown, the first append plus
-                   a quarter, grown on demand;
+                   the disk space the files allocate up front; unknown, the first append's,
+                   grown on demand;
     layers:        how many tiers this factory will build: the disk space for all of them is
                    checked once, before the first byte is written;
     host_capacity: None, or the fraction of `pool_positions` (default: the first append) a
@@ -88,6 +88,8 @@ class Storage:
         check_combination(tier, fmt, pooled=host_capacity is not None)
         self.tier, self.fmt, self.kv_dtype = tier, fmt, kv_dtype
         self.capacity, self.layers, self.reserve = capacity, layers, reserve
+        if tier == "disk" and fmt == "native" and layers:
+            check_space(directory, 0)  # an unusable directory fails now, before any model work
         if tier == "pinned" and not torch.cuda.is_available():
             raise KVStorageError(
                 errno.ENODEV, "the pinned tier needs a CUDA device; use tier='ram' or tier='disk' on this machine"
@@ -125,7 +127,7 @@ class Storage:
         if self.tier == "ram":
             return RamTier(batch, kv_heads, head_dim, dtype, stats, capacity=self.pool_positions or 0)
         if self.tier == "disk":
-            reserve = min(self.reserve, self.capacity) if self.reserve else grown(positions, self.capacity)
+            reserve = min(self.reserve or positions or 1, self.capacity)
             if not self._reserved:
                 rows = row_bytes("native", head_dim, dtype)
                 check_space(

@@ -347,28 +347,43 @@ class DiskTier(KVTier):
         self._reserve(self.reserved)
 
     def _reserve(self, positions: int) -> None:
-        """Disk blocks for the first `positions` of every region (grown by `grown`), allocated
-        now so that a full disk fails here, on the caller's thread, with a sentence. Where the
-        file system cannot allocate ahead, the blocks come with the writes (errors likewise)."""
+        """Disk blocks for the first `positions` of every region, allocated now so that a full
+        disk fails here, on the caller's thread, with a sentence. Growing, it asks for a quarter
+        more (`grown`) and settles for what is needed when the disk has no more. Where the file
+        system cannot allocate ahead, the blocks come with the writes (errors likewise)."""
         if positions <= self._allocated:
             return
         target = grown(positions, self.capacity) if self._allocated else max(positions, self.reserved)
-        old = _round_up(self._allocated * self.record_bytes, self.block_size)
-        new = min(_round_up(target * self.record_bytes, self.block_size), self.region_bytes)
-        if self._fallocate and new > old:
+        for want in dict.fromkeys((target, positions)):  # the roomy target, then just what is needed
             try:
-                for r in range(self.regions):
-                    os.posix_fallocate(self._res.fd, r * self.region_bytes + old, new - old)
+                self._allocate_upto(want)
+                return
             except OSError as e:
                 if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
                     self._fallocate = False
-                elif e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise KVStorageError(e.errno, self._full(positions, (new - old) * self.regions)) from e
-                else:
+                    self._allocated = target
+                    return
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise KVStorageError(
                         e.errno, f"cannot allocate disk space for a KV file in {self.directory}: {e.strerror}"
                     ) from e
-        self._allocated = target
+                if want == positions:
+                    raise KVStorageError(e.errno, self._full(positions, self._bytes_upto(positions))) from e
+
+    def _bytes_upto(self, positions: int) -> int:
+        """Bytes still to allocate for the first `positions` of every region."""
+        old = _round_up(self._allocated * self.record_bytes, self.block_size)
+        new = min(_round_up(positions * self.record_bytes, self.block_size), self.region_bytes)
+        return max(new - old, 0) * self.regions
+
+    def _allocate_upto(self, positions: int) -> None:
+        if self._fallocate:
+            old = _round_up(self._allocated * self.record_bytes, self.block_size)
+            new = min(_round_up(positions * self.record_bytes, self.block_size), self.region_bytes)
+            for r in range(self.regions):
+                if new > old:
+                    os.posix_fallocate(self._res.fd, r * self.region_bytes + old, new - old)
+        self._allocated = positions
 
     def _full(self, positions: int, nbytes: int | None = None) -> str:
         """The sentence for a disk that filled up under a run."""
