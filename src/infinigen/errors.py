@@ -12,3 +12,7 @@ from __future__ import annotations
 
 class InfiniGenError(Exception):
     """An expected failure whose message, one sentence, is all the user needs."""
+
+
+class InputError(InfiniGenError, ValueError):
+    """Text handed in that cannot be used: an empty prompt, a file that is not UTF-8 text, ..."""
