@@ -213,6 +213,15 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
             except ValueError as exc:
                 raise ConfigError(f"policy {self.policy!r}: {exc}") from None
 
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse settings that name layers a model of `num_layers` layers does not have (they
+        would be ignored without a word)."""
+        wrong = sorted(i for i in self.layer_alpha if not 0 <= i < num_layers)
+        if wrong:
+            raise ConfigError(
+                f"layer_alpha names layer {wrong[0]}, but the model has {num_layers} layers (0 to {num_layers - 1})"
+            )
+
     # ------------------------------------------------------------------ derived decisions
     @property
     def spec(self) -> PolicySpec:

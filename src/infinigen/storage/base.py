@@ -84,6 +84,9 @@ class KVIndexError(InfiniGenError, IndexError):
     """A position asked for that the tier does not hold."""
 
 
+_INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
 class KVTier(ABC):
     """Storage for one layer's keys and values, [B, Hkv, T, d] each, appended along T."""
 
@@ -134,8 +137,8 @@ class KVTier(ABC):
         out: (k, v) buffers [B, Hkv, >= n, d] of `dtype` on `device` that the rows are written
         into, converted once where they land (the result is a view of their first n slots; slots
         not valid keep what they held); default: new tensors, zeros where not valid."""
-        if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.is_complex():
-            raise KVInputError(f"indices must be an integer tensor, got {_describe(indices)}")
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in _INDEX_DTYPES:
+            raise KVInputError(f"indices must be an integer tensor (int16, int32, int64), got {_describe(indices)}")
         if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
             raise KVInputError(f"valid must be a bool tensor, got {_describe(valid)}")
         if (
@@ -155,6 +158,7 @@ class KVTier(ABC):
                 raise KVIndexError(f"selected position {bad} but the tier holds {self.length}")
         _check_dtype(dtype)
         self._check_out(out, indices.shape[2], device, dtype)
+        indices = indices.long()  # what every tier indexes with (no copy when it already is)
         return self._gather_async(indices, valid, device, dtype, out)
 
     def gather(self, indices, valid, device, dtype, out=None) -> tuple[torch.Tensor, torch.Tensor]:
