@@ -191,7 +191,11 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     tier: str = knob(
         "ram", "slow tier holding the offloaded KV: ram, disk (O_DIRECT file) or pinned (CUDA)", one_of(TIERS)
     )
-    kv_dir: str | None = knob(None, "folder for the disk tier's files (default $INFINIGEN_KV_DIR or the temp folder)")
+    kv_dir: str | None = knob(
+        None,
+        "an existing folder for the disk tier's files (default $INFINIGEN_KV_DIR or the temp folder)",
+        Rule("a folder path (not empty)", lambda v: bool(v.strip())),
+    )
     io_threads: int = knob(4, "disk reads in flight", at_least(1))
     host_capacity: float | None = knob(
         None,
