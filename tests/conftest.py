@@ -74,3 +74,90 @@ def left_padded_batch(seed: int = 1, length: int = 24, pad: int = 5):
     ids[1, :pad] = 0
     mask[1, :pad] = 0
     return ids, mask
+
+
+def open_files_in(directory, pid: int | str = "self") -> list[str]:
+    """The /proc/<pid>/fd links of the files process `pid` holds open in `directory` (named or
+    not): what the process still occupies there, whatever the directory listing shows. Each
+    link can be stat'ed (os.stat follows it, to the file even when it has no name)."""
+    import os
+    from pathlib import Path
+
+    fds = Path(f"/proc/{pid}/fd")
+    if not fds.is_dir():
+        pytest.skip("needs /proc to see a process's open files")
+    inside = os.path.realpath(directory) + os.sep
+    found = []
+    for fd in fds.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(inside):
+            found.append(str(fd))
+    return found
+
+
+def _byte_tokenizer():
+    """A tokenizer with one token per byte (and <eos>): built here, no download, any text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A Hugging Face folder (tiny random Llama, byte tokenizer, 4096 positions) that
+    `infinigen --model DIR` loads in a fraction of a second: the command line end to end."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = _byte_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(6.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """make(size, readonly=False) -> a fresh tmpfs mounted under tmp_path (a small, really full
+    disk, or a really read-only one); unmounted after the test. Skips where mounting needs a
+    privilege this process has not."""
+    import os
+    import shutil
+    import subprocess
+
+    mounted = []
+
+    def make(size: str, readonly: bool = False):
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            pytest.skip("mounting a tmpfs needs root")
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        opts = f"size={size},mode=0777" + (",ro" if readonly else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(point)], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield make
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)

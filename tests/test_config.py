@@ -135,3 +135,8 @@ def test_flags_build_the_same_config_as_the_api():
         alpha=4.0, skew=False, policy="h2o", recent_ratio=0.25, layer_alpha={3: 2.0}, kv_dtype="float16"
     )
     assert cfg == want
+
+
+def test_an_empty_kv_dir_is_refused_not_read_as_the_current_folder():
+    with pytest.raises(ConfigError, match="kv_dir must be a folder path"):
+        InfiniGenConfig(tier="disk", kv_dir=" ")

@@ -1,5 +1,6 @@
-"""The disk tier: bit-identical to RAM, coalesced reads counted honestly, files cleaned up,
-clear errors for space, directories and short I/O."""
+"""The disk tier: bit-identical to RAM, coalesced reads counted honestly, files that never
+outlive their tier, space reserved and grown as needed, clear errors for space, directories
+and short I/O."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import open_files_in
 from infinigen.storage import DiskTier, KVCapacityError, KVStorageError, RamTier, TransferStats
 
 B, H, D = 2, 3, 64
@@ -329,42 +331,79 @@ def test_gather_async_returns_future_equal_to_gather(kv_dir):
         assert torch.equal(ka, kr)
 
 
-def test_instances_use_distinct_files_and_clean_up(kv_dir):
+def test_files_have_no_name_and_are_released_however_the_tier_ends(kv_dir):
+    """Nothing a crash could leave behind: the directory never lists a KV file; each tier holds
+    its own file open, and closing, garbage collection or leaving a `with` block releases it."""
     directory = kv_dir["directory"]
     stats = TransferStats()
     a = DiskTier(1, 1, 64, torch.float16, stats, capacity=64, **kv_dir)
     b = DiskTier(1, 1, 64, torch.float16, stats, capacity=64, **kv_dir)
-    assert a.path != b.path and a.path.exists() and b.path.exists()
-    assert a.path.parent == b.path.parent == Path(directory)
+    assert _files(directory) == []
+    assert len(open_files_in(directory)) == 2
     if not kv_dir["allow_buffered"]:
         assert a.direct and b.direct
+    a.append(torch.ones(1, 1, 20, 64), torch.ones(1, 1, 20, 64))
+    b.append(torch.full((1, 1, 20, 64), 2.0), torch.full((1, 1, 20, 64), 2.0))
+    assert (a.peek_all()[0] == 1).all() and (b.peek_all()[0] == 2).all()  # two distinct files
 
     a.close()
     a.close()  # idempotent
-    assert not a.path.exists() and b.path.exists()
+    assert len(open_files_in(directory)) == 1
     with pytest.raises(ValueError, match="closed"):
         a.append(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64))
 
-    path = b.path
     del b
     gc.collect()
-    assert not path.exists()
+    assert open_files_in(directory) == []
 
     with pytest.raises(RuntimeError, match="boom"):
         with DiskTier(1, 1, 64, torch.float16, stats, capacity=64, **kv_dir) as c:
-            path = c.path
             c.append(torch.zeros(1, 1, 3, 64), torch.zeros(1, 1, 3, 64))
+            assert len(open_files_in(directory)) == 1
             raise RuntimeError("boom")
-    assert not path.exists()
-    assert _files(directory) == []
+    assert open_files_in(directory) == [] and _files(directory) == []
 
 
 def test_default_directory_from_environment(kv_dir, monkeypatch):
     monkeypatch.setenv("INFINIGEN_KV_DIR", str(kv_dir["directory"]))
     with DiskTier(1, 2, 64, torch.float16, TransferStats(), capacity=10, allow_buffered=kv_dir["allow_buffered"]) as t:
-        assert t.path.parent == Path(kv_dir["directory"])
+        (held,) = open_files_in(kv_dir["directory"])
+        assert t.directory == Path(kv_dir["directory"])
         assert t.region_bytes == t.block_size  # 10 * 256 bytes padded to one block
-        assert os.path.getsize(t.path) == 2 * t.block_size
+        assert os.stat(held).st_size == 2 * t.block_size
+
+
+def _allocated(directory) -> int:
+    (held,) = open_files_in(directory)
+    return os.stat(held).st_blocks * 512
+
+
+def _about(got: int, blocks: int, block: int) -> bool:
+    """`blocks` data blocks, give or take the file system's own metadata (an extent block or two)."""
+    return blocks * block <= got <= (blocks + 4) * block
+
+
+def test_space_is_reserved_up_front_and_grown_on_demand(kv_dir):
+    """The file is laid out for `capacity` but holds disk blocks only for `reserve` positions,
+    grown (by a quarter, at least 64 positions) as appends need more, never beyond capacity."""
+    directory = kv_dir["directory"]
+    gen = torch.Generator().manual_seed(7)
+    ram = RamTier(B, H, D, torch.float16, TransferStats())
+    with DiskTier(B, H, D, torch.float16, TransferStats(), capacity=4096, reserve=32, **kv_dir) as disk:
+        blk = disk.block_size
+        assert disk.file_bytes == B * H * 4096 * 256
+        if _allocated(directory) >= disk.file_bytes:
+            pytest.skip("this file system allocates sparse files in full")
+        assert _about(_allocated(directory), B * H * 2, blk)  # 32 positions of 256 B: 2 blocks per region
+        _append_both(ram, disk, 40, gen)  # past the reserve: grown to 40 + 64 positions, 7 blocks
+        assert _about(_allocated(directory), B * H * 7, blk)
+        for _ in range(70):
+            _append_both(ram, disk, 1, gen)
+        disk.flush()
+        assert _about(_allocated(directory), B * H * 11, blk)  # grown at 105: 169 positions, 11 blocks
+        assert torch.equal(ram.peek_all()[0], disk.peek_all()[0])
+    with DiskTier(B, H, D, torch.float16, TransferStats(), capacity=100, reserve=10**6, **kv_dir) as disk:
+        assert _about(_allocated(directory), disk.file_bytes // disk.block_size, disk.block_size)
 
 
 def test_not_enough_space_fails_before_creating_a_file(kv_dir, monkeypatch):
@@ -376,6 +415,7 @@ def test_not_enough_space_fails_before_creating_a_file(kv_dir, monkeypatch):
     msg = str(info.value)
     assert str(directory) in msg and "1000 free" in msg
     assert f"needs {B * H * 25 * 4096} bytes" in msg  # 400 * 256 B = 25 blocks per region
+    assert "\n" not in msg and not msg.startswith("[Errno")
     assert info.value.errno == errno.ENOSPC
     assert _files(directory) == []
 

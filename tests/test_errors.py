@@ -79,3 +79,15 @@ def test_eval_set_overrides_are_typed_and_validated():
         eval_overrides(["dense_layers=two"])
     with pytest.raises(ValueError, match="partial_ratio"):
         eval_overrides(["partial_ratio=1.5"])  # InfiniGenConfig's own check, before any model loads
+
+
+def test_settings_naming_layers_the_model_lacks_are_refused():
+    from infinigen import ConfigError
+
+    model = tiny_model("llama")  # 4 layers
+    with pytest.raises(ConfigError, match="layer_alpha names layer 7, but the model has 4 layers"):
+        attach(model, InfiniGenConfig(layer_alpha={2: 6.0, 7: 6.0}), progress=False)
+    assert "generate" not in vars(model)
+    with attach(model, InfiniGenConfig(calibration_tokens=64), progress=False) as session:
+        with pytest.raises(ConfigError, match="layer_alpha names layer -1"):
+            session.new_cache(InfiniGenConfig(calibration_tokens=64, layer_alpha={-1: 2.0}))

@@ -91,9 +91,9 @@ def test_corrupt_or_missing_artifact_is_a_clear_error(tmp_path):
     model = tiny_model("llama")
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    with pytest.raises(SkewArtifactError, match="cannot read"):
+    with pytest.raises(SkewArtifactError, match="cannot be read.*not used: recompute it with `infinigen skew"):
         attach(model, InfiniGenConfig(), skew=bad, progress=False)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(SkewArtifactError, match="not found, compute it with `infinigen skew"):
         attach(model, InfiniGenConfig(), skew=tmp_path / "missing.safetensors", progress=False)
 
 
@@ -128,3 +128,138 @@ def test_fingerprint_tracks_weights_and_config():
     with torch.no_grad():
         b.lm_head.weight[3, 3] += 1.0
     assert model_fingerprint(a) != model_fingerprint(b)
+
+
+# ---------------------------------------------------------------------- damaged, stale, interrupted
+def _damage(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "flipped":  # 4 KiB of flipped bytes in the middle: inside the tensors, header intact
+        mid = len(data) // 2
+        data[mid : mid + 4096] = bytes(b ^ 0xFF for b in data[mid : mid + 4096])
+    elif how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "old format":  # what the previous version wrote: no checksum, format 1
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata())
+        meta.pop("checksum")
+        meta["format_version"] = "1"
+        data = save(load_file(str(path)), metadata=meta)
+    path.write_bytes(bytes(data))
+
+
+def _cached(tmp_path):
+    return list((tmp_path / "skew").glob("*.safetensors"))
+
+
+def _tiny_artifact_model():
+    """A model whose artifact is big enough for 4 KiB in its middle to land inside a tensor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96, hidden_size=256, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "old format"])
+def test_a_damaged_or_stale_artifact_is_never_used(monkeypatch, tmp_path, how):
+    """A given file is refused with the command that recomputes it; a cached one is recalibrated
+    (with a warning) and replaced; neither is ever used."""
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    model = _tiny_artifact_model()
+    cfg = InfiniGenConfig(calibration_tokens=64, partial_ratio=0.25)
+    with attach(model, cfg, progress=False) as session:
+        good = session.artifact
+    (path,) = _cached(tmp_path)
+    assert path.stat().st_size > 3 * 4096
+    _damage(path, how)
+    reason = {"flipped": "is damaged", "truncated": "cannot be read", "old format": "has format '1'"}[how]
+
+    with pytest.raises(SkewArtifactError, match=reason) as info:
+        SkewArtifact.load(path)
+    given = tmp_path / "given.safetensors"
+    given.write_bytes(path.read_bytes())
+    with pytest.raises(SkewArtifactError) as info:
+        attach(model, cfg, skew=given, progress=False)
+    msg = str(info.value)
+    assert reason in msg and "\n" not in msg
+    assert f"`infinigen skew --partial-ratio 0.25 --calibration-tokens 64 --output {given}`" in msg
+    assert model.config._attn_implementation != "infinigen"
+
+    with pytest.warns(UserWarning, match=f"cached skew artifact .*{reason}.*recalibrating"):
+        with attach(model, cfg, progress=False) as session:
+            again = session.artifact
+    for i in good.channels:  # the recalibrated artifact, the same as the first one
+        assert torch.equal(again.channels[i], good.channels[i])
+    assert _cached(tmp_path) == [path]
+    assert SkewArtifact.load(path).fingerprint == good.fingerprint  # replaced by a sound one
+    assert sorted(p.name for p in (tmp_path / "skew").iterdir()) == [path.name]
+
+
+def test_interrupted_calibration_or_save_leaves_nothing_and_the_next_run_calibrates(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama")
+    cfg = InfiniGenConfig(calibration_tokens=64)
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    # Ctrl-C halfway through the calibration's forward pass.
+    handle = model.model.layers[2].register_forward_pre_hook(ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        attach(model, cfg, progress=False)
+    handle.remove()
+    assert not (tmp_path / "skew").exists() or list((tmp_path / "skew").iterdir()) == []
+    assert model.config._attn_implementation != "infinigen"
+
+    # Ctrl-C while the artifact is being written: no partial file, no temporary left.
+    import os as os_mod
+
+    real_replace = os_mod.replace
+    monkeypatch.setattr(os_mod, "replace", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        attach(model, cfg, progress=False)
+    monkeypatch.setattr(os_mod, "replace", real_replace)
+    assert list((tmp_path / "skew").iterdir()) == []
+
+    with attach(model, cfg, progress=False) as session:
+        art = session.artifact
+    (path,) = _cached(tmp_path)
+    assert SkewArtifact.load(path).fingerprint == art.fingerprint
+
+
+def test_concurrent_saves_never_show_a_partial_artifact(tmp_path):
+    """Two writers replacing one artifact while a reader loads it: every load sees a whole one."""
+    import threading
+
+    model = tiny_model("llama")
+    art = _artifact(model)
+    path = tmp_path / "skew.safetensors"
+    art.save(path)
+    stop = threading.Event()
+    errors = []
+
+    def write():
+        try:
+            while not stop.is_set():
+                art.save(path)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write) for _ in range(2)]
+    for w in writers:
+        w.start()
+    try:
+        for _ in range(50):
+            assert SkewArtifact.load(path).fingerprint == art.fingerprint
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+    assert errors == []
+    assert [p.name for p in tmp_path.iterdir()] == ["skew.safetensors"]

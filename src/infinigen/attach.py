@@ -63,6 +63,7 @@ class Session:
         self._artifacts: dict[tuple, SkewArtifact] = {}
         self._undo: list[Callable[[], None]] = []
         self.folded = False
+        self.config.check_layers(self.adapter.num_layers)
         self.fingerprint = model_fingerprint(model)
         self._threads = torch.get_num_threads()  # restored on detach; prefills always use them
         self.artifact = self._artifact_for(self.config) if self.config.spec.selector == "infinigen" else None
@@ -162,6 +163,7 @@ class Session:
 
     def selector_for(self, config: InfiniGenConfig) -> Selector | None:
         """The selector of `config` in this session (None for a policy that reads every row)."""
+        config.check_layers(self.adapter.num_layers)
         artifact = self._artifact_for(config) if config.spec.selector == "infinigen" else None
         return make_selector(config, self.adapter, artifact, folded=self.folded)
 

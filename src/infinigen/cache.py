@@ -16,6 +16,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from infinigen.config import InfiniGenConfig
+from infinigen.errors import InfiniGenError
 from infinigen.layers import CacheCounters, ComputeLayer, OffloadedLayer, Positions
 from infinigen.select import Selector
 from infinigen.storage import Storage
@@ -27,8 +28,12 @@ HOW_TO_MAKE = (
 )
 
 
-class ContextTooLongError(ValueError):
+class ContextTooLongError(InfiniGenError, ValueError):
     """The prompt (plus what will be generated) does not fit the model's context."""
+
+
+class CacheInputError(InfiniGenError, ValueError):
+    """KV handed to `update` that does not fit the cache: layer, shape, dtype or device."""
 
 
 class SessionCache(Cache):
@@ -78,6 +83,7 @@ class InfiniGenCache(SessionCache):
             config.spec.fmt,
             config.storage_dtype(),
             capacity=capacity,
+            reserve=max_length,
             layers=sum(role != "compute" for role in roles),
             directory=config.kv_dir,
             io_threads=config.io_threads,
@@ -88,6 +94,7 @@ class InfiniGenCache(SessionCache):
             block_cache=config.block_cache,
         )
         self.positions = Positions()
+        self._batch: int | None = None  # the batch of the first update: every update must match it
         self.counters = CacheCounters(trace=[] if trace else None)
         # Selection and fetch of a layer run here while the compute thread finishes the layer before.
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="infinigen-prefetch") if selector else None
@@ -115,6 +122,7 @@ class InfiniGenCache(SessionCache):
 
     # ------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._check_update(key_states, value_states, layer_idx)
         layer = self.layers[layer_idx]
         past, n = layer.get_seq_length(), key_states.shape[2]
         self._check_length(past, n)
@@ -124,6 +132,35 @@ class InfiniGenCache(SessionCache):
             elif n == 1:
                 self.counters.decode_steps += 1
         return layer.update(key_states, value_states)
+
+    def _check_update(self, keys, values, layer_idx) -> None:
+        """Refuse, in one sentence, KV that would fail deep inside a layer or be stored wrongly:
+        the model's layer count, KV heads and head size, one batch, one dtype and device per layer."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise CacheInputError(f"layer_idx must be an integer in [0, {len(self.layers)}), got {layer_idx!r}")
+        for name, t in (("key_states", keys), ("value_states", values)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CacheInputError(f"{name} must be a floating-point tensor, got {what}")
+        want = f"[batch, {self.adapter.num_kv_heads}, new positions >= 1, {self.adapter.head_dim}]"
+        shape = tuple(keys.shape)
+        if keys.dim() != 4 or shape[1] != self.adapter.num_kv_heads or shape[3] != self.adapter.head_dim:
+            raise CacheInputError(f"key_states must be {want} for this model, got {shape}")
+        if shape[0] < 1 or shape[2] < 1:
+            raise CacheInputError(f"key_states must be {want}, got {shape}: nothing to store")
+        if tuple(values.shape) != shape or values.dtype != keys.dtype or values.device != keys.device:
+            raise CacheInputError(
+                f"value_states must match key_states {shape} {keys.dtype} on {keys.device}, got "
+                f"{tuple(values.shape)} {values.dtype} on {values.device}"
+            )
+        if self._batch is not None and shape[0] != self._batch:
+            raise CacheInputError(f"this cache holds a batch of {self._batch}, got key_states {shape}")
+        layer = self.layers[layer_idx]
+        if layer.is_initialized and (keys.dtype != layer.dtype or keys.device != layer.device):
+            raise CacheInputError(
+                f"layer {layer_idx} holds {layer.dtype} KV on {layer.device}, got {keys.dtype} on {keys.device}"
+            )
+        self._batch = shape[0]
 
     def _check_length(self, past: int, n: int) -> None:
         limit = self.adapter.max_positions

@@ -2,18 +2,27 @@
 
 Every setting flag is derived from `InfiniGenConfig` (`infinigen.config.add_arguments`), so each
 command reaches every setting; a command only states its own defaults.
+
+Every failure ends as one line on stderr and a non-zero exit (`report`): 2 for what the user
+handed in (flags, settings, files, prompts), 1 for what the machine refused (disk, I/O) and
+for bugs, 130 / 143 for Ctrl-C / SIGTERM, which end a run like an error does, so its KV files
+are released on the way out. ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
+import warnings
 from importlib import resources
 from pathlib import Path
 
 from infinigen.config import POLICIES, ConfigError, add_arguments, from_arguments, parse_setting, setting_fields
-from infinigen.storage import KVStorageError
+from infinigen.errors import InfiniGenError, InputError
 
 DEMO_PROMPT = "areopagitica_opening.txt"
 DEMO_PROMPT_TOKENS = 6000
@@ -29,24 +38,40 @@ def demo_prompt() -> str:
     return resources.files("infinigen.data").joinpath(DEMO_PROMPT).read_text(encoding="utf-8")
 
 
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of a file the user named; `what` ("prompt file", ...) names it in the one
+    sentence said about a missing file, a directory, an unreadable, non-UTF-8 or empty one."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{what} {path} does not exist")
+    if path.is_dir():
+        raise InputError(f"{what} {path} is a directory, not a text file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it first, "
+            f"e.g. iconv -f latin1 -t utf-8 {path}"
+        ) from None
+    if not text.strip():
+        raise InputError(f"{what} {path} is empty")
+    return text
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None and args.prompt_file is not None:
-        raise ValueError("give --prompt or --prompt-file, not both")
+        raise InputError("give --prompt or --prompt-file, not both")
     if args.prompt_file is not None:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    elif args.prompt is not None:
-        text = args.prompt
-    else:
+        return read_text_file(args.prompt_file, "prompt file")
+    if args.prompt is None:
         return demo_prompt()
-    if not text.strip():
-        raise ValueError("the prompt is empty")
-    return text
+    if not args.prompt.strip():
+        raise InputError("the prompt is empty: give some text with --prompt or --prompt-file")
+    return args.prompt
 
 
 def _fmt_bytes(n: float) -> str:
@@ -80,9 +105,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     config = from_arguments(args, RUN_DEFAULTS)
     model, tok = load_model(args.model, progress=not args.quiet)
-    r = run_generation(
-        model, tok, [prompt] * args.batch, config, args.max_new_tokens, progress=not args.quiet, skew=args.skew_file
-    )
+    with _skew_command_for(args, config):
+        r = run_generation(
+            model, tok, [prompt] * args.batch, config, args.max_new_tokens, progress=not args.quiet,
+            skew=args.skew_file,
+        )  # fmt: skip
     if args.json:
         print(json.dumps(r.to_json()))
     else:
@@ -91,6 +118,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 DEMO_ROWS = (("dense", "KV with the compute (RAM)"), ("full", "every row from the slow tier"), ("infinigen", ""))
+
+
+@contextlib.contextmanager
+def _skew_command_for(args: argparse.Namespace, config):
+    """A refused --skew-file names the command that recomputes it for this --model."""
+    from infinigen.skew import SkewArtifactError, refuse_given
+
+    try:
+        yield
+    except SkewArtifactError as exc:
+        if args.model and args.skew_file and exc.path is not None:
+            raise refuse_given(exc, config, args.model) from None
+        raise
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -170,7 +210,7 @@ def cmd_skew(args: argparse.Namespace) -> int:
     config = from_arguments(args, RUN_DEFAULTS, policy="infinigen")
     text = None
     if args.calibration_file:
-        text = Path(args.calibration_file).read_text(encoding="utf-8")
+        text = read_text_file(args.calibration_file, "calibration file")
     model, tok = load_model(args.model, progress=not args.quiet)
     adapter = get_adapter(model)
     tokens = calibration_length(config.calibration_tokens, adapter)
@@ -225,11 +265,11 @@ def eval_overrides(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in settable:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(settable)}")
+            raise InputError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(settable)}")
         try:
             out[key] = parse_setting(key, value)
         except ConfigError as exc:
-            raise ValueError(f"--set {item!r}: {exc}") from None
+            raise InputError(f"--set {item!r}: {exc}") from None
     InfiniGenConfig(**out)  # invalid values fail here, before the model loads
     return out
 
@@ -246,14 +286,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     suites = _names(args.suite)
     unknown = set(suites) - set(SUITES)
     if unknown:
-        raise ValueError(f"unknown suite(s) {sorted(unknown)}; use {', '.join(SUITES)}")
+        raise InputError(f"unknown suite(s) {sorted(unknown)}; use {', '.join(SUITES)}")
     policies = _names(args.policies)
     bad = set(policies) - set(POLICIES)
     if bad:
-        raise ValueError(f"unknown policies {sorted(bad)}; available: {', '.join(POLICIES)}")
+        raise InputError(f"unknown policies {sorted(bad)}; available: {', '.join(POLICIES)}")
     budgets = _floats(args.budgets)
     if any(not 0 < b <= 1 for b in budgets):
-        raise ValueError("--budgets must be fractions in (0, 1]")
+        raise InputError("--budgets must be fractions in (0, 1]")
     base = eval_overrides(args.set)
     settings = EvalSettings(
         policies=policies,
@@ -271,7 +311,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         base=base,
     )
     if any(c <= settings.score_tokens + 16 for c in settings.contexts):
-        raise ValueError("every --contexts value must exceed --score-tokens by more than 16")
+        raise InputError("every --contexts value must exceed --score-tokens by more than 16")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(args.model, progress=not args.quiet)
@@ -311,6 +351,17 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (with where to find the usage), like every error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _debug_flag(p: argparse.ArgumentParser, default=argparse.SUPPRESS) -> None:
+    p.add_argument("--debug", action="store_true", default=default, help="show the traceback of an error")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -328,7 +379,8 @@ def _add_prompt_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="infinigen", description=__doc__)
+    ap = Parser(prog="infinigen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _debug_flag(ap, default=False)
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate with InfiniGen (or a baseline policy)")
@@ -337,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, default=1, help="repeat the prompt this many times (batch size)")
     g.add_argument("--skew-file", default=None, help="use this skew artifact instead of the cached one")
     add_arguments(g, RUN_DEFAULTS)
+    _debug_flag(g)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="dense (RAM), full fetch and InfiniGen (disk) side by side on a long prompt")
@@ -346,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", type=int, default=DEMO_PROMPT_TOKENS, help="length of the shipped prompt (tokens)"
     )
     add_arguments(d, {**RUN_DEFAULTS, "tier": "disk"}, skip=("policy",))
+    _debug_flag(d)
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("skew", help="calibrate and save the skew artifact of a model")
@@ -353,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: shipped prose)")
     s.add_argument("--output", default=None, help="artifact path (default: the user cache folder)")
     add_arguments(s, RUN_DEFAULTS, skip=("policy",))
+    _debug_flag(s)
     s.set_defaults(func=cmd_skew)
 
     e = sub.add_parser("eval", help="quality of every policy at matched budgets: perplexity, retrieval, recall")
@@ -378,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{', '.join(EVAL_FIXED)}, which the eval sets per run)",
     )
     e.add_argument("--out", default="results/eval", help="folder for eval.json, eval.md and the PNG plots")
+    _debug_flag(e)
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="benchmarks (commands that print a table and write JSON, not tests)")
@@ -386,8 +442,81 @@ def build_parser() -> argparse.ArgumentParser:
 
     bd = bsub.add_parser("decode", help="decode tokens/s and bytes read per token, every policy side by side")
     decode_parser(bd)
+    _debug_flag(bd)
     bd.set_defaults(func=cmd_bench_decode)
     return ap
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP), raised where the program is, so that it unwinds like Ctrl-C does."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """While a command runs, SIGTERM and SIGHUP raise `Terminated` (Ctrl-C already raises
+    KeyboardInterrupt): every `with` block on the way out runs, so the KV files are released and
+    the model restored. Signals the process was started ignoring stay ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated(signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _one_line_warnings():
+    """Warnings (a cached skew artifact recalibrated, ...) as one `warning:` line each."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"warning: {_one_line(message)}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+def _one_line(exc) -> str:
+    return "; ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
+
+
+def report(exc: BaseException) -> int:
+    """One line on stderr for a failure that ended a command; the exit status."""
+    if isinstance(exc, Terminated):
+        print(f"error: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    if isinstance(exc, ConfigError):
+        print(f"error: invalid configuration: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    if isinstance(exc, OSError) and not isinstance(exc, InfiniGenError):  # the system's, not ours
+        what = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else _one_line(exc)
+        print(f"error: {what}", file=sys.stderr)
+        return 1
+    if isinstance(exc, InfiniGenError) or isinstance(exc, (ValueError, NotImplementedError)):
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 1 if isinstance(exc, OSError) else 2
+    print(
+        f"error: internal error ({type(exc).__name__}: {_one_line(exc)}); run again with --debug for the traceback",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,14 +527,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "batch", 1) < 1:
         print("error: --batch must be >= 1", file=sys.stderr)
         return 2
-    try:
-        return args.func(args)
-    except ConfigError as exc:
-        print(f"error: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, NotImplementedError, KVStorageError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    with _one_line_warnings(), _signals_unwind():
+        try:
+            return args.func(args)
+        except (Exception, KeyboardInterrupt) as exc:
+            if getattr(args, "debug", False):
+                raise
+            return report(exc)
 
 
 if __name__ == "__main__":

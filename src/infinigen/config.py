@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
+from infinigen.errors import InfiniGenError
 from infinigen.storage import check_combination
 
 
-class ConfigError(ValueError):
+class ConfigError(InfiniGenError, ValueError):
     """An invalid configuration value (raised before any work starts)."""
 
 
@@ -190,7 +191,11 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     tier: str = knob(
         "ram", "slow tier holding the offloaded KV: ram, disk (O_DIRECT file) or pinned (CUDA)", one_of(TIERS)
     )
-    kv_dir: str | None = knob(None, "folder for the disk tier's files (default $INFINIGEN_KV_DIR or the temp folder)")
+    kv_dir: str | None = knob(
+        None,
+        "an existing folder for the disk tier's files (default $INFINIGEN_KV_DIR or the temp folder)",
+        Rule("a folder path (not empty)", lambda v: bool(v.strip())),
+    )
     io_threads: int = knob(4, "disk reads in flight", at_least(1))
     block_cache: float = knob(
         0.2,
@@ -223,6 +228,15 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
                 check_combination(self.tier, spec.fmt, pooled=self.host_capacity is not None)
             except ValueError as exc:
                 raise ConfigError(f"policy {self.policy!r}: {exc}") from None
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse settings that name layers a model of `num_layers` layers does not have (they
+        would be ignored without a word)."""
+        wrong = sorted(i for i in self.layer_alpha if not 0 <= i < num_layers)
+        if wrong:
+            raise ConfigError(
+                f"layer_alpha names layer {wrong[0]}, but the model has {num_layers} layers (0 to {num_layers - 1})"
+            )
 
     # ------------------------------------------------------------------ derived decisions
     @property

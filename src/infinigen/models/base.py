@@ -11,8 +11,10 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from infinigen.errors import InfiniGenError
 
-class UnsupportedModelError(ValueError):
+
+class UnsupportedModelError(InfiniGenError, ValueError):
     """The model's architecture is not one InfiniGen knows how to drive."""
 
 

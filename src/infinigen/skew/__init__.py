@@ -1,7 +1,9 @@
 """Skew (offline, once per model): calibration, the artifact (save / load / verify), channel choice.
 
 `obtain_artifact` is what `infinigen.attach` calls: the given artifact, else the cached one,
-else a fresh calibration (saved for next time) — verified against the model either way.
+else a fresh calibration (saved for next time) — verified against the model either way. An
+artifact that cannot be used is never used: a cached one is recalibrated and replaced (with a
+warning), a given one is refused with the command that recomputes it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,43 @@ from infinigen.skew.calibrate import (
 from infinigen.skew.channels import query_mass_in_channels, skew_from_qk
 
 
+class SkewArtifactWarning(UserWarning):
+    """A cached skew artifact could not be used and is being recalibrated."""
+
+
 def calibration_length(calibration_tokens: int | None, adapter) -> int:
     """Tokens to calibrate over: as asked, else the model's context (at most 8192)."""
     return min(calibration_tokens or default_calibration_tokens(adapter), adapter.max_positions)
+
+
+def skew_command(knobs, output: str | Path, model: str | None = None) -> str:
+    """The `infinigen skew` command that computes the artifact `knobs` ask for into `output`."""
+    parts = ["infinigen skew"]
+    if model:
+        parts.append(f"--model {model}")
+    parts.append(f"--partial-ratio {knobs.partial_ratio:g}")
+    if not knobs.skew:
+        parts.append("--no-skew")
+    if knobs.calibration_tokens is not None:
+        parts.append(f"--calibration-tokens {knobs.calibration_tokens}")
+    parts.append(f"--output {output}")
+    return " ".join(parts)
+
+
+def refuse_given(exc: SkewArtifactError, knobs, model: str | None = None) -> SkewArtifactError:
+    """`exc` about a given artifact file, with the way out: the exact command that recomputes it
+    (`model`: the command line's --model; without it, the command is the default model's)."""
+    if exc.path is None:
+        return exc
+    command = skew_command(knobs, exc.path, model)
+    hint = "" if model else " (with --model for a model other than the default)"
+    verb = "compute" if exc.reason == "was not found" else "so it is not used: recompute"
+    return SkewArtifactError(
+        f"skew artifact {exc.path} {exc.reason}, {verb} it with `{command}`{hint}, "
+        "or go without it (the cached artifact, calibrated if needed)",
+        exc.path,
+        exc.reason,
+    )
 
 
 def obtain_artifact(
@@ -39,24 +75,36 @@ def obtain_artifact(
 ) -> SkewArtifact:
     """The skew artifact for `model` and `knobs` (partial_ratio, skew, calibration_tokens).
 
-    source: an artifact or a path to one (refused if it does not match), else the cached one
-    under `cache_dir`, else calibrated now on the shipped prose (`tokenizer`; without one, on
-    seeded random ids) and saved there. The model must not be folded yet."""
+    source: an artifact or a path to one (refused, with the command that recomputes it, if it
+    cannot be read, is damaged or does not match), else the cached one under `cache_dir` (if it
+    cannot be used: recalibrated and replaced, with a `SkewArtifactWarning`), else calibrated
+    now on the shipped prose (`tokenizer`; without one, on seeded random ids) and saved there.
+    The model must not be folded yet."""
     ratio, skewed = knobs.partial_ratio, knobs.skew
     if isinstance(source, SkewArtifact):
-        source.verify(fingerprint, ratio, skewed, adapter.num_layers, "given artifact")
+        source.verify(fingerprint, ratio, skewed, adapter.num_layers)
         return source
     if source is not None:
-        art = SkewArtifact.load(source)
-        art.verify(fingerprint, ratio, skewed, adapter.num_layers, str(source))
+        try:
+            art = SkewArtifact.load(source)
+            art.verify(fingerprint, ratio, skewed, adapter.num_layers, source)
+        except SkewArtifactError as exc:
+            raise refuse_given(exc, knobs) from None
         return art
     tokens = calibration_length(knobs.calibration_tokens, adapter)
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = artifact_path(folder, model.config.model_type, fingerprint, ratio, skewed, tokens)
     if path.is_file():
-        art = SkewArtifact.load(path)
-        art.verify(fingerprint, ratio, skewed, adapter.num_layers, str(path))
-        return art
+        try:
+            art = SkewArtifact.load(path)
+            art.verify(fingerprint, ratio, skewed, adapter.num_layers, path)
+            return art
+        except SkewArtifactError as exc:
+            warnings.warn(
+                f"the cached skew artifact {path} {exc.reason}: recalibrating and replacing it",
+                SkewArtifactWarning,
+                stacklevel=2,
+            )
     if tokenizer is not None:
         ids = calibration_ids(tokenizer, tokens)
     else:
@@ -66,7 +114,9 @@ def obtain_artifact(
         art.save(path)
     except OSError as exc:
         warnings.warn(
-            f"could not save the skew artifact to {path} ({exc}); it will be recomputed next time", stacklevel=2
+            f"could not save the skew artifact to {path} ({exc.strerror or exc}); it will be recomputed next time",
+            SkewArtifactWarning,
+            stacklevel=2,
         )
     return art
 
@@ -74,6 +124,7 @@ def obtain_artifact(
 __all__ = [
     "SkewArtifact",
     "SkewArtifactError",
+    "SkewArtifactWarning",
     "artifact_path",
     "calibrate",
     "calibration_ids",
@@ -84,6 +135,8 @@ __all__ = [
     "model_fingerprint",
     "obtain_artifact",
     "query_mass_in_channels",
+    "refuse_given",
+    "skew_command",
     "skew_from_qk",
     "synthetic_calibration_ids",
 ]

@@ -1,5 +1,10 @@
 """The skew artifact: per-layer skew matrices and partial channels, saved as safetensors and
-keyed by a fingerprint of the model, so that a changed model or changed settings never reuse it."""
+keyed by a fingerprint of the model, so that a changed model or changed settings never reuse it.
+
+The file also carries a checksum of its own contents (every tensor and every metadata entry),
+verified on load: a file damaged on disk is refused, never used. It is written to an unnamed
+(or temporary) file in the same folder and renamed over the target only once complete, so a
+crash or Ctrl-C during a save leaves the previous artifact or none, never half of one."""
 
 from __future__ import annotations
 
@@ -11,14 +16,71 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as to_bytes
 from torch import nn
 
-FORMAT_VERSION = "1"
+from infinigen.errors import InfiniGenError
+
+FORMAT_VERSION = "2"  # 2: with a checksum of the contents
+_REQUIRED = ("fingerprint", "partial_ratio", "skewed", "calibration_tokens", "checksum")
 
 
-class SkewArtifactError(ValueError):
-    """A skew artifact that does not belong to this model or these settings."""
+class SkewArtifactError(InfiniGenError, ValueError):
+    """A skew artifact that cannot be used: unreadable, damaged, of an old format, or made for
+    another model or other settings. `path` is its file (None for one in memory); `reason` is
+    what is wrong with it, without the way out that the message adds."""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else Path(path)
+        self.reason = reason or message
+
+
+def checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """Hash of every tensor (name, dtype, shape, bytes) and metadata entry but the checksum itself."""
+    h = hashlib.blake2b(digest_size=20)
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).numpy()))
+    for key in sorted(meta):
+        if key != "checksum":
+            h.update(f"{key}={meta[key]}|".encode())
+    return h.hexdigest()
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that `path` is either as before or complete: into an unnamed
+    file (``O_TMPFILE``; a temporary one where refused) in the same folder, synced, then linked
+    and renamed over `path`. A temporary name exists only between link and rename (unnamed) or
+    while writing (fallback), and is removed if anything, Ctrl-C included, interrupts."""
+    folder = path.parent
+    tmp = folder / f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = dirfd = -1
+    try:
+        unnamed = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+        if unnamed:
+            try:
+                fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o644)
+            except OSError:
+                unnamed = False
+        if not unnamed:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        if unnamed:  # linkat(AT_SYMLINK_FOLLOW) of the descriptor: the file gets its first name
+            dirfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            os.link(f"/proc/self/fd/{fd}", tmp.name, dst_dir_fd=dirfd, follow_symlinks=True)
+        os.replace(tmp, path)
+    finally:
+        for d in (fd, dirfd):
+            if d >= 0:
+                os.close(d)
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass
@@ -41,6 +103,7 @@ class SkewArtifact:
             if a is not None:
                 tensors[f"layer.{i}.skew"] = a.to(torch.float32).contiguous()
         meta = dict(self.meta)
+        meta.pop("checksum", None)
         meta.update(
             format_version=FORMAT_VERSION,
             fingerprint=self.fingerprint,
@@ -48,9 +111,8 @@ class SkewArtifact:
             skewed=str(bool(self.skewed)),
             calibration_tokens=str(self.calibration_tokens),
         )
-        tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)  # atomic: a crash never leaves a half-written artifact
+        meta["checksum"] = checksum(tensors, meta)
+        write_atomically(path, to_bytes(tensors, metadata=meta))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SkewArtifact:
@@ -58,48 +120,66 @@ class SkewArtifact:
 
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"skew artifact not found: {path}")
+            raise SkewArtifactError(f"skew artifact not found: {path}", path, "was not found")
+
+        def refuse(reason: str) -> SkewArtifactError:
+            return SkewArtifactError(f"skew artifact {path} {reason}", path, reason)
+
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = dict(f.metadata() or {})
             tensors = load_file(str(path))
-        except Exception as exc:  # corrupt or not a safetensors file
-            raise SkewArtifactError(f"cannot read skew artifact {path}: {exc}") from exc
+        except Exception as exc:  # truncated, damaged header, or not a safetensors file
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise refuse(f"cannot be read ({first})") from exc
         if meta.get("format_version") != FORMAT_VERSION:
-            raise SkewArtifactError(
-                f"skew artifact {path} has format {meta.get('format_version')!r}, expected {FORMAT_VERSION!r}; "
-                "delete it to recompute"
-            )
-        layers = sorted({int(k.split(".")[1]) for k in tensors if k.endswith(".channels")})
-        skews = {i: tensors.get(f"layer.{i}.skew") for i in layers}
-        channels = {i: tensors[f"layer.{i}.channels"] for i in layers}
+            raise refuse(f"has format {meta.get('format_version')!r}, expected {FORMAT_VERSION!r} (an older version)")
+        missing = [k for k in _REQUIRED if k not in meta]
+        if missing:
+            raise refuse(f"is incomplete (no {', '.join(missing)} in its metadata)")
+        if meta["checksum"] != checksum(tensors, meta):
+            raise refuse("is damaged (its contents do not match their checksum)")
+        try:
+            layers = sorted({int(k.split(".")[1]) for k in tensors if k.endswith(".channels")})
+            skews = {i: tensors.get(f"layer.{i}.skew") for i in layers}
+            channels = {i: tensors[f"layer.{i}.channels"] for i in layers}
+            ratio, tokens = float(meta["partial_ratio"]), int(meta["calibration_tokens"])
+        except (ValueError, KeyError, IndexError) as exc:
+            raise refuse(f"is malformed ({exc})") from exc
         return cls(
             skews=skews,
             channels=channels,
             fingerprint=meta["fingerprint"],
-            partial_ratio=float(meta["partial_ratio"]),
+            partial_ratio=ratio,
             skewed=meta["skewed"] == "True",
-            calibration_tokens=int(meta["calibration_tokens"]),
-            meta={k: v for k, v in meta.items() if k not in {"fingerprint", "partial_ratio", "skewed"}},
+            calibration_tokens=tokens,
+            meta={k: v for k, v in meta.items() if k not in {"fingerprint", "partial_ratio", "skewed", "checksum"}},
         )
 
-    def verify(self, fingerprint: str, partial_ratio: float, skewed: bool, num_layers: int, source: str = "") -> None:
-        """Refuse an artifact made for another model or other settings."""
-        where = f" ({source})" if source else ""
+    def verify(
+        self,
+        fingerprint: str,
+        partial_ratio: float,
+        skewed: bool,
+        num_layers: int,
+        path: str | os.PathLike | None = None,
+    ) -> None:
+        """Refuse an artifact made for another model or other settings (`path`: its file, if any)."""
+
+        def refuse(reason: str) -> SkewArtifactError:
+            return SkewArtifactError(f"skew artifact{'' if path is None else f' {path}'} {reason}", path, reason)
+
         if self.fingerprint != fingerprint:
-            raise SkewArtifactError(
-                f"skew artifact{where} was computed for another model (fingerprint {self.fingerprint[:16]}…, "
-                f"this model {fingerprint[:16]}…): recompute it with `infinigen skew` for this model"
+            raise refuse(
+                f"was computed for another model (fingerprint {self.fingerprint[:16]}…, this model {fingerprint[:16]}…)"
             )
         if not math.isclose(self.partial_ratio, partial_ratio) or self.skewed != skewed:
-            raise SkewArtifactError(
-                f"skew artifact{where} has partial_ratio={self.partial_ratio}, skew={self.skewed}; "
+            raise refuse(
+                f"has partial_ratio={self.partial_ratio}, skew={self.skewed}; "
                 f"the configuration asks for partial_ratio={partial_ratio}, skew={skewed}"
             )
-        if len(self.channels) != num_layers:
-            raise SkewArtifactError(
-                f"skew artifact{where} covers {len(self.channels)} layers, the model has {num_layers}"
-            )
+        if sorted(self.channels) != list(range(num_layers)):
+            raise refuse(f"covers {len(self.channels)} layers, the model has {num_layers}")
 
 
 def model_fingerprint(model: nn.Module) -> str:

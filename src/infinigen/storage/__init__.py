@@ -8,13 +8,14 @@ also owns what the tiers of one cache share (counters, I/O threads, the disk spa
 
 from __future__ import annotations
 
+import errno
 import os
 import weakref
 
 import torch
 
 from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats
-from infinigen.storage.disk import DiskTier, IOThreads, check_space
+from infinigen.storage.disk import DiskTier, IOThreads, check_space, reserved_bytes
 from infinigen.storage.int4 import GROUP, Int4RamTier, fake_quantize_int4, int4_row_bytes
 from infinigen.storage.pinned import PinnedTier
 from infinigen.storage.pool import EVICTIONS, PooledTier, capacity_slots
@@ -57,9 +58,13 @@ class Storage:
 
     tier, fmt:     where and how rows are stored (see `check_combination`);
     kv_dtype:      storage dtype (None: the dtype the KV is computed in);
-    capacity:      positions a disk file is sized for (prompt + generated tokens);
+    capacity:      positions a disk file is laid out for (prompt + generated tokens, or the
+                   model's context when the generation's length is unknown);
+    reserve:       positions the generation will reach, if known (prompt + max_new_tokens):
+                   the disk space the files allocate up front; unknown, the first append's,
+                   grown on demand;
     layers:        how many tiers this factory will build: the disk space for all of them is
-                   reserved (checked) once, before the first byte is written;
+                   checked once, before the first byte is written;
     host_capacity: None, or the fraction of `pool_positions` (default: the first append) a
                    capped host pool keeps per (batch row, KV head); only for `new_tier(pooled=True)`;
     block_cache:   the fraction of a disk tier's blocks also kept in RAM as a read cache.
@@ -73,6 +78,7 @@ class Storage:
         *,
         capacity: int,
         layers: int,
+        reserve: int | None = None,
         directory: str | os.PathLike | None = None,
         io_threads: int = 4,
         device: torch.device | str | None = None,
@@ -83,7 +89,13 @@ class Storage:
     ) -> None:
         check_combination(tier, fmt, pooled=host_capacity is not None)
         self.tier, self.fmt, self.kv_dtype = tier, fmt, kv_dtype
-        self.capacity, self.layers = capacity, layers
+        self.capacity, self.layers, self.reserve = capacity, layers, reserve
+        if tier == "disk" and fmt == "native" and layers:
+            check_space(directory, 0)  # an unusable directory fails now, before any model work
+        if tier == "pinned" and not torch.cuda.is_available():
+            raise KVStorageError(
+                errno.ENODEV, "the pinned tier needs a CUDA device; use tier='ram' or tier='disk' on this machine"
+            )
         self.directory, self.io_threads, self.device = directory, io_threads, device
         self.host_capacity, self.pool_positions, self.eviction = host_capacity, pool_positions, eviction
         self.block_cache = block_cache
@@ -118,9 +130,12 @@ class Storage:
         if self.tier == "ram":
             return RamTier(batch, kv_heads, head_dim, dtype, stats, capacity=self.pool_positions or 0)
         if self.tier == "disk":
+            reserve = min(self.reserve or positions or 1, self.capacity)
             if not self._reserved:
-                per_layer = batch * kv_heads * self.capacity * row_bytes("native", head_dim, dtype)
-                check_space(self.directory, per_layer * self.layers)
+                rows = row_bytes("native", head_dim, dtype)
+                check_space(
+                    self.directory, self.layers * reserved_bytes(self.directory, batch * kv_heads, rows, reserve)
+                )
                 self._reserved = True
             if self._threads is None:
                 self._threads = IOThreads(self.io_threads)
@@ -128,6 +143,7 @@ class Storage:
             return DiskTier(
                 batch, kv_heads, head_dim, dtype, stats, self.capacity, self.directory, threads=self._threads,
                 cache_fraction=self.block_cache,
+                reserve=reserve,
             )  # fmt: skip
         return PinnedTier(batch, kv_heads, head_dim, dtype, stats, self.device if self.device is not None else "cuda")
 

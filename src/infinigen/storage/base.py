@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinigen.errors import InfiniGenError
+
 
 @dataclass
 class TransferStats:
@@ -71,12 +73,27 @@ class TransferStats:
             self.seconds = 0.0
 
 
-class KVStorageError(OSError):
-    """A tier cannot store or read back the KV (space, directory, I/O)."""
+class KVStorageError(InfiniGenError, OSError):
+    """A tier cannot store or read back the KV (space, directory, I/O). Made as
+    ``KVStorageError(errno, sentence)``: `errno` says what failed, the sentence is the message."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror is not None else super().__str__()
 
 
-class KVCapacityError(ValueError):
+class KVCapacityError(InfiniGenError, ValueError):
     """More positions were appended than the tier was sized for."""
+
+
+class KVInputError(InfiniGenError, ValueError):
+    """Rows, indices or buffers handed to a tier that do not fit it (shape, dtype)."""
+
+
+class KVIndexError(InfiniGenError, IndexError):
+    """A position asked for that the tier does not hold."""
+
+
+_INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
 class KVTier(ABC):
@@ -97,14 +114,21 @@ class KVTier(ABC):
         """Store new positions: keys/values [B, Hkv, n, d]; `valid` [B, n] marks real tokens
         (False at padding; only a capped pool uses it: padding takes no slot there)."""
         want = (self.batch, self.kv_heads)
+        for name, t in (("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise KVInputError(f"{name} must be a floating-point tensor, got {_describe(t)}")
         if keys.dim() != 4 or tuple(keys.shape[:2]) != want or keys.shape[-1] != self.head_dim:
-            raise ValueError(
+            raise KVInputError(
                 f"tier holds [{self.batch}, {self.kv_heads}, T, {self.head_dim}], got keys {tuple(keys.shape)}"
             )
         if values.shape != keys.shape:
-            raise ValueError(f"values {tuple(values.shape)} do not match keys {tuple(keys.shape)}")
-        if valid is not None and tuple(valid.shape) != (self.batch, keys.shape[2]):
-            raise ValueError(f"valid must be [{self.batch}, {keys.shape[2]}], got {tuple(valid.shape)}")
+            raise KVInputError(f"values {tuple(values.shape)} do not match keys {tuple(keys.shape)}")
+        if valid is not None and (
+            not isinstance(valid, torch.Tensor)
+            or valid.dtype != torch.bool
+            or tuple(valid.shape) != (self.batch, keys.shape[2])
+        ):
+            raise KVInputError(f"valid must be a bool tensor [{self.batch}, {keys.shape[2]}], got {_describe(valid)}")
         if keys.shape[2]:
             self._append(keys, values, valid)
 
@@ -122,12 +146,16 @@ class KVTier(ABC):
         out: (k, v) buffers [B, Hkv, >= n, d] of `dtype` on `device` that the rows are written
         into, converted once where they land (the result is a view of their first n slots; slots
         not valid keep what they held); default: new tensors, zeros where not valid."""
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in _INDEX_DTYPES:
+            raise KVInputError(f"indices must be an integer tensor (int16, int32, int64), got {_describe(indices)}")
+        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
+            raise KVInputError(f"valid must be a bool tensor, got {_describe(valid)}")
         if (
             indices.dim() != 3
             or indices.shape != valid.shape
             or tuple(indices.shape[:2]) != (self.batch, self.kv_heads)
         ):
-            raise ValueError(
+            raise KVInputError(
                 f"indices/valid must be [{self.batch}, {self.kv_heads}, n], got {tuple(indices.shape)} "
                 f"and {tuple(valid.shape)}"
             )
@@ -136,8 +164,10 @@ class KVTier(ABC):
             low, high = int(chosen.min()), int(chosen.max())
             if low < 0 or high >= self.length:
                 bad = low if low < 0 else high
-                raise IndexError(f"selected position {bad} but the tier holds {self.length}")
+                raise KVIndexError(f"selected position {bad} but the tier holds {self.length}")
+        _check_dtype(dtype)
         self._check_out(out, indices.shape[2], device, dtype)
+        indices = indices.long()  # what every tier indexes with (no copy when it already is)
         return self._gather_async(indices, valid, device, dtype, out)
 
     def gather(self, indices, valid, device, dtype, out=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,8 +178,12 @@ class KVTier(ABC):
     ) -> Future:
         """Positions [0, upto) of every row, delivered later as [B, Hkv, upto, d] each; counted.
         out: buffers [B, Hkv, >= upto, d] to write them into (see `gather_async`)."""
+        if isinstance(upto, bool) or not hasattr(upto, "__index__"):
+            raise KVInputError(f"upto must be an integer number of positions, got {_describe(upto)}")
+        upto = upto.__index__()
         if not 0 <= upto <= self.length:
-            raise IndexError(f"asked for {upto} positions but the tier holds {self.length}")
+            raise KVIndexError(f"asked for {upto} positions but the tier holds {self.length}")
+        _check_dtype(dtype)
         self._check_out(out, upto, device, dtype)
         return self._read_all_async(upto, device, dtype, out)
 
@@ -163,11 +197,11 @@ class KVTier(ABC):
         want = (self.batch, self.kv_heads)
         for t in (k, v):
             if t.dim() != 4 or tuple(t.shape[:2]) != want or t.shape[2] < n or t.shape[3] != self.head_dim:
-                raise ValueError(
+                raise KVInputError(
                     f"out buffers must be [{self.batch}, {self.kv_heads}, >= {n}, {self.head_dim}], got {tuple(t.shape)}"
                 )
             if t.dtype != dtype or t.device != torch.device(device):
-                raise ValueError(f"out buffers must be {dtype} on {device}, got {t.dtype} on {t.device}")
+                raise KVInputError(f"out buffers must be {dtype} on {device}, got {t.dtype} on {t.device}")
 
     @property
     def evictions(self) -> int:
@@ -202,6 +236,18 @@ class KVTier(ABC):
 
     def _read_all_async(self, upto, device, dtype, out) -> Future:
         return done_future(self._read_all, upto, device, dtype, out)
+
+
+def _describe(x) -> str:
+    """A value as an error message shows it: a tensor's dtype and shape, else its type."""
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _check_dtype(dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise KVInputError(f"rows are delivered as a floating-point dtype, got {dtype!r}")
 
 
 def done_future(fn, *args) -> Future:

@@ -38,6 +38,16 @@ thread never waits for a write and a gather, queued behind it, always sees it on
 the tail are served from RAM (counted as ``cached_bytes``, not as disk reads). A write that
 fails is reported by the tier's next append, read or `flush()`.
 
+Files and space
+---------------
+A KV file never has a name that outlives its process: it is created unnamed (``O_TMPFILE``)
+or, where the file system refuses that, created and unlinked at once, so that nothing is left
+in the directory however the process ends (``kill -9`` included); the kernel frees the blocks
+when the descriptor closes. The file is laid out for ``capacity`` positions but sparse: disk
+blocks are allocated (``posix_fallocate``) for the positions the run is known to reach
+(``reserve``) and grown on demand, so that a full disk is reported by the append that needs the
+room, as one sentence, and never reaches a write behind the compute.
+
 Every read is counted in the tier's ``TransferStats`` with the bytes actually read from disk,
 amplification included; ``useful_bytes`` holds the bytes of the rows asked for that came from
 disk, so ``read_amplification`` = bytes read / bytes useful.
@@ -74,28 +84,88 @@ def default_directory() -> Path:
     return Path(os.environ.get(ENV_DIR) or tempfile.gettempdir())
 
 
+WHERE = f"kv_dir (--kv-dir, ${ENV_DIR})"  # how a user points the disk tier elsewhere
+SPACE_MARGIN = 16  # the space check also asks for 1/SPACE_MARGIN of the KV bytes more, as headroom
+
+
 def check_space(directory: str | os.PathLike | None, nbytes: int) -> Path:
-    """Fail early and clearly when `directory` cannot take `nbytes` of KV files (a directory
-    that cannot be created, is not one, is not writable, or lacks the room). The storage
-    factory calls it once for every layer's file before a generation writes anything; a
-    tier made on its own calls it for its file."""
+    """Fail early and clearly when `directory` cannot take `nbytes` of KV files (plus a margin of
+    1/SPACE_MARGIN): a directory that does not exist, is not one, is read-only or not writable,
+    or lacks the room. A missing directory is not created: a mistyped path must not quietly
+    put the KV files on another disk. The storage factory calls it once, for every layer's
+    reservation, before a generation writes anything; a tier made on its own calls it for its file."""
     d = Path(directory) if directory is not None else default_directory()
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise KVStorageError(e.errno, f"KV directory {d} does not exist and cannot be created: {e.strerror}") from e
+    if not d.exists():
+        raise KVStorageError(
+            errno.ENOENT, f"KV directory {d} does not exist: create it (mkdir -p {d}) or point {WHERE} at a directory"
+        )
     if not d.is_dir():
-        raise KVStorageError(errno.ENOTDIR, f"KV directory {d} is not a directory")
+        raise KVStorageError(errno.ENOTDIR, f"KV directory {d} is not a directory: point {WHERE} at a directory")
+    if _read_only(d):
+        raise KVStorageError(
+            errno.EROFS, f"KV directory {d} is on a read-only file system: point {WHERE} at a writable directory"
+        )
     if not os.access(d, os.W_OK | os.X_OK):
-        raise KVStorageError(errno.EACCES, f"KV directory {d} is not writable")
+        raise KVStorageError(
+            errno.EACCES, f"KV directory {d} is not writable by this user: point {WHERE} at a writable directory"
+        )
     free = shutil.disk_usage(d).free
-    if free < nbytes:
+    margin = nbytes // SPACE_MARGIN
+    if free < nbytes + margin:
         raise KVStorageError(
             errno.ENOSPC,
-            f"not enough free space in {d} for the KV cache: needs {nbytes} bytes, {free} free; "
-            f"point kv_dir (or ${ENV_DIR}) at a disk with more room, or lower the context or batch",
+            f"not enough free space in {d} for the KV cache: needs {nbytes} bytes (+ {margin} margin), {free} "
+            f"free; point {WHERE} at a disk with more room, or lower the prompt, max_new_tokens or batch",
         )
     return d
+
+
+def _read_only(directory: Path) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
+def block_size(directory: Path) -> int:
+    """The I/O block of a KV file in `directory`: the file system's block, at least 4 KiB."""
+    try:
+        fs_block = os.statvfs(directory).f_bsize
+    except (OSError, AttributeError):
+        fs_block = 0
+    block = max(int(fs_block), _MIN_BLOCK)
+    return block if block % 512 == 0 else _MIN_BLOCK
+
+
+def reserved_bytes(directory: str | os.PathLike | None, regions: int, row_bytes: int, positions: int) -> int:
+    """Disk bytes a KV file of `regions` regions allocates for its first `positions` positions."""
+    block = block_size(Path(directory) if directory is not None else default_directory())
+    return regions * _round_up(positions * record_bytes(row_bytes, block), block)
+
+
+def grown(positions: int, capacity: int) -> int:
+    """Positions to allocate when `positions` are needed: a quarter more (at least 64), so that
+    a generation of unknown length grows its files a few times, not at every block."""
+    return min(capacity, positions + max(positions // 4, 64))
+
+
+def _create_unnamed(directory: Path, flags: int) -> int:
+    """A new file in `directory` that has no name, so that it disappears with its last descriptor
+    however the process ends: ``O_TMPFILE``, or where the file system or kernel refuses it, a
+    unique file unlinked as soon as it is open."""
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            return os.open(directory, tmpfile | os.O_RDWR | flags, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL):
+                raise
+    fd0, path = tempfile.mkstemp(prefix="infinigen-kv-", suffix=".bin", dir=directory)
+    try:
+        return os.open(path, os.O_RDWR | flags)
+    finally:
+        os.unlink(path)
+        os.close(fd0)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -138,8 +208,7 @@ class IOThreads:
 class _Resources:
     """What must be released with the tier; holds no reference to the tier itself."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self) -> None:
         self.fd = -1
         self.aio = 0  # a Linux AIO context for the C gather (0: none)
         self.own_threads: IOThreads | None = None
@@ -160,21 +229,19 @@ def _release(res: _Resources, wait: bool = False) -> None:
         except OSError:
             pass
         res.fd = -1
-    try:
-        os.unlink(res.path)
-    except FileNotFoundError:
-        pass
 
 
 class DiskTier(KVTier):
     """One layer's K and V in a file on disk, read with O_DIRECT (see the module docstring).
 
-    ``capacity`` is the most positions the tier will ever hold; the file is sized for it up
-    front. ``directory`` defaults to ``$INFINIGEN_KV_DIR`` or the system temporary directory;
-    every tier uses its own unique file there, removed by ``close()``, by garbage collection,
-    at interpreter exit, or when a ``with`` block is left. ``threads`` are the I/O threads to
-    read with (shared by the layers of a cache); without them the tier starts its own
-    ``readers`` and stops them on close.
+    ``capacity`` is the most positions the tier will ever hold; the file is laid out for it.
+    ``reserve`` is how many positions get disk blocks up front (default: ``capacity``); more
+    are allocated as appends need them. ``directory`` defaults to ``$INFINIGEN_KV_DIR`` or the
+    system temporary directory; every tier uses its own unnamed file there (see "Files and
+    space"), released by ``close()``, by garbage collection, when a ``with`` block is left, or
+    when the process ends in any way. ``threads`` are the I/O threads to read with (shared by
+    the layers of a cache); without them the tier starts its own ``readers`` and stops them on
+    close.
 
     If the filesystem refuses O_DIRECT (tmpfs, some network filesystems) a
     ``KVStorageError`` names the directory, unless ``allow_buffered=True``: then the file is
@@ -199,6 +266,7 @@ class DiskTier(KVTier):
         allow_buffered: bool = False,
         coalesce_gap_blocks: int = 2,
         cache_fraction: float = 0.0,
+        reserve: int | None = None,
     ) -> None:
         super().__init__(batch, kv_heads, head_dim, dtype, stats)
         if capacity < 1:
@@ -220,18 +288,14 @@ class DiskTier(KVTier):
         self._pending: list[Future] = []  # block writes handed to the I/O thread
 
         check_space(self.directory, 0)
-        self.block_size = self._block_size()
+        self.block_size = block_size(self.directory)
         self.record_bytes = record_bytes(self.row_bytes, self.block_size)
         self.region_bytes = _round_up(self.capacity * self.record_bytes, self.block_size)
         self.file_bytes = self.region_bytes * self.regions
-        check_space(self.directory, self.file_bytes)
-        try:
-            fd, path = tempfile.mkstemp(prefix="infinigen-kv-", suffix=".bin", dir=self.directory)
-        except OSError as e:
-            raise KVStorageError(e.errno, f"cannot create the KV file in {self.directory}: {e.strerror}") from e
-        os.close(fd)
-        self.path = Path(path)
-        self._res = _Resources(path)
+        self.reserved = min(self.capacity, max(int(reserve if reserve is not None else self.capacity), 1))
+        check_space(self.directory, reserved_bytes(self.directory, self.regions, self.row_bytes, self.reserved))
+        self._allocated = 0  # positions of every region with disk blocks allocated
+        self._res = _Resources()
         self._finalizer = weakref.finalize(self, _release, self._res)
         try:
             if threads is None:
@@ -246,27 +310,23 @@ class DiskTier(KVTier):
             raise
         # The last, partially filled block of every region (see "Appends" in the docstring).
         self._tails = torch.zeros(self.regions, self.block_size, dtype=torch.uint8)
+        # A block cache sized on the positions this run reaches (the reservation), not on the layout.
         file_blocks = self.file_bytes // self.block_size
         self.cache: BlockCache | None = None
         if cache_fraction > 0 and self.record_bytes <= self.block_size:
-            self.cache = BlockCache(max(1, math.ceil(cache_fraction * file_blocks)), self.block_size, file_blocks)
+            run_blocks = self.regions * (
+                _round_up(self.reserved * self.record_bytes, self.block_size) // self.block_size
+            )
+            self.cache = BlockCache(max(1, math.ceil(cache_fraction * run_blocks)), self.block_size, file_blocks)
 
     # ------------------------------------------------------------------ setup
-    def _block_size(self) -> int:
-        try:
-            fs_block = os.statvfs(self.directory).f_bsize
-        except (OSError, AttributeError):
-            fs_block = 0
-        block = max(int(fs_block), _MIN_BLOCK)
-        return block if block % 512 == 0 else _MIN_BLOCK
-
     def _open(self, allow_buffered: bool) -> bool:
-        """Open the file with O_DIRECT (True), or buffered if refused and allowed (False)."""
+        """Create the unnamed file with O_DIRECT (True), or buffered if refused and allowed (False)."""
         direct_flag = getattr(os, "O_DIRECT", 0)
         reason = "this platform has no O_DIRECT"
         if direct_flag:
             try:
-                self._res.fd = os.open(self._res.path, os.O_RDWR | direct_flag)
+                self._res.fd = _create_unnamed(self.directory, direct_flag)
                 self._allocate()
                 self._probe()
                 return True
@@ -274,7 +334,7 @@ class DiskTier(KVTier):
                 raise
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-                    raise KVStorageError(e.errno, f"cannot open the KV file in {self.directory}: {e.strerror}") from e
+                    raise KVStorageError(e.errno, f"cannot create a KV file in {self.directory}: {e.strerror}") from e
                 if self._res.fd >= 0:
                     os.close(self._res.fd)
                     self._res.fd = -1
@@ -287,7 +347,10 @@ class DiskTier(KVTier):
                 "or pass allow_buffered=True to go through the page cache (the reads are then not "
                 "guaranteed to come from disk)",
             )
-        self._res.fd = os.open(self._res.path, os.O_RDWR)
+        try:
+            self._res.fd = _create_unnamed(self.directory, 0)
+        except OSError as e:
+            raise KVStorageError(e.errno, f"cannot create a KV file in {self.directory}: {e.strerror}") from e
         self._allocate()
         return False
 
@@ -298,20 +361,66 @@ class DiskTier(KVTier):
         self._preadv(memoryview(buf), 0)
 
     def _allocate(self) -> None:
-        fd = self._res.fd
+        """Size the file for `capacity` (sparse: no blocks yet) and allocate the reservation."""
         try:
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, self.file_bytes)
-            else:
-                os.ftruncate(fd, self.file_bytes)
+            os.ftruncate(self._res.fd, self.file_bytes)
         except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                os.ftruncate(fd, self.file_bytes)
-            else:
-                raise KVStorageError(
-                    e.errno,
-                    f"cannot reserve {self.file_bytes} bytes for the KV file in {self.directory}: {e.strerror}",
-                ) from e
+            raise KVStorageError(
+                e.errno, f"cannot size a KV file in {self.directory} to {self.file_bytes} bytes: {e.strerror}"
+            ) from e
+        self._fallocate = hasattr(os, "posix_fallocate")
+        self._reserve(self.reserved)
+
+    def _reserve(self, positions: int) -> None:
+        """Disk blocks for the first `positions` of every region, allocated now so that a full
+        disk fails here, on the caller's thread, with a sentence. Growing, it asks for a quarter
+        more (`grown`) and settles for what is needed when the disk has no more. Where the file
+        system cannot allocate ahead, the blocks come with the writes (errors likewise)."""
+        if positions <= self._allocated:
+            return
+        target = grown(positions, self.capacity) if self._allocated else max(positions, self.reserved)
+        for want in dict.fromkeys((target, positions)):  # the roomy target, then just what is needed
+            try:
+                self._allocate_upto(want)
+                return
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                    self._fallocate = False
+                    self._allocated = target
+                    return
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise KVStorageError(
+                        e.errno, f"cannot allocate disk space for a KV file in {self.directory}: {e.strerror}"
+                    ) from e
+                if want == positions:
+                    raise KVStorageError(e.errno, self._full(positions, self._bytes_upto(positions))) from e
+
+    def _bytes_upto(self, positions: int) -> int:
+        """Bytes still to allocate for the first `positions` of every region."""
+        old = _round_up(self._allocated * self.record_bytes, self.block_size)
+        new = min(_round_up(positions * self.record_bytes, self.block_size), self.region_bytes)
+        return max(new - old, 0) * self.regions
+
+    def _allocate_upto(self, positions: int) -> None:
+        if self._fallocate:
+            old = _round_up(self._allocated * self.record_bytes, self.block_size)
+            new = min(_round_up(positions * self.record_bytes, self.block_size), self.region_bytes)
+            for r in range(self.regions):
+                if new > old:
+                    os.posix_fallocate(self._res.fd, r * self.region_bytes + old, new - old)
+        self._allocated = positions
+
+    def _full(self, positions: int, nbytes: int | None = None) -> str:
+        """The sentence for a disk that filled up under a run."""
+        try:
+            free = f"{shutil.disk_usage(self.directory).free} bytes free"
+        except OSError:
+            free = "free space unknown"
+        need = f" needs {nbytes} more bytes," if nbytes else ""
+        return (
+            f"the disk holding the KV files ({self.directory}) is full: growing a layer's KV to {positions} "
+            f"positions{need} {free}; free space there or point {WHERE} at a disk with more room"
+        )
 
     # ------------------------------------------------------------------ low-level I/O
     def _pwrite(self, buf: memoryview, offset: int) -> None:
@@ -320,10 +429,13 @@ class DiskTier(KVTier):
         except OSError as e:
             if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise
-            raise KVStorageError(e.errno, f"writing the KV file {self.path} failed: {e.strerror}") from e
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise KVStorageError(e.errno, self._full(self.length)) from e
+            raise KVStorageError(e.errno, f"writing a KV file in {self.directory} failed: {e.strerror}") from e
         if done != len(buf):
             raise KVStorageError(
-                errno.EIO, f"short write to the KV file {self.path}: {done} of {len(buf)} bytes at offset {offset}"
+                errno.EIO,
+                f"short write to a KV file in {self.directory}: {done} of {len(buf)} bytes at offset {offset}",
             )
 
     def _preadv(self, buf: memoryview, offset: int) -> None:
@@ -332,10 +444,11 @@ class DiskTier(KVTier):
         except OSError as e:
             if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise
-            raise KVStorageError(e.errno, f"reading the KV file {self.path} failed: {e.strerror}") from e
+            raise KVStorageError(e.errno, f"reading a KV file in {self.directory} failed: {e.strerror}") from e
         if done != len(buf):
             raise KVStorageError(
-                errno.EIO, f"short read from the KV file {self.path}: {done} of {len(buf)} bytes at offset {offset}"
+                errno.EIO,
+                f"short read from a KV file in {self.directory}: {done} of {len(buf)} bytes at offset {offset}",
             )
 
     def _drop_cache(self) -> None:
@@ -364,7 +477,7 @@ class DiskTier(KVTier):
 
     def _check_open(self) -> None:
         if self._closed or self._res.fd < 0:
-            raise ValueError(f"disk KV tier {self.path} is closed")
+            raise ValueError(f"this disk KV tier (in {self.directory}) is closed")
 
     # ------------------------------------------------------------------ appends
     def _tail_start(self, length: int | None = None) -> int:
@@ -381,6 +494,7 @@ class DiskTier(KVTier):
                 f"cannot append {n} positions to {self.length}: the disk KV tier was sized for "
                 f"{self.capacity} positions (capacity=)"
             )
+        self._reserve(self.length + n)
         rec, blk, d = self.record_bytes, self.block_size, self.head_dim
         width = 2 * d * keys.new_empty((), dtype=self.dtype).element_size()
         k = keys.detach().to("cpu", self.dtype)
@@ -567,7 +681,7 @@ class DiskTier(KVTier):
             if rc < 0:
                 err = -int(rc)
                 what = "short read from" if err == errno.EIO else "reading"
-                raise KVStorageError(err, f"{what} the KV file {self.path} failed: {os.strerror(err)}")
+                raise KVStorageError(err, f"{what} a KV file in {self.directory} failed: {os.strerror(err)}")
             return int(stats[0]), int(stats[1]), int(stats[2]), int(stats[3])
 
     def _read_records_python(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
@@ -691,7 +805,7 @@ class DiskTier(KVTier):
         return self._closed
 
     def close(self) -> None:
-        """Wait for reads in flight, close and remove the file (idempotent)."""
+        """Wait for reads and writes in flight, then close the file, which frees it (idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -713,5 +827,5 @@ class DiskTier(KVTier):
         mode = "O_DIRECT" if getattr(self, "direct", False) else "buffered"
         return (
             f"DiskTier({self.batch}x{self.kv_heads}x{self.length}/{self.capacity}x{self.head_dim} "
-            f"{self.dtype}, {mode}, {getattr(self, 'path', self.directory)})"
+            f"{self.dtype}, {mode}, {self.directory})"
         )

@@ -1,0 +1,238 @@
+"""The command line ends every failure with one line on stderr and a non-zero exit; a traceback
+only with --debug. Run in-process against a tiny model folder (`tiny_model_dir`)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections import namedtuple
+
+import pytest
+
+from conftest import open_files_in
+from infinigen.cli import main
+from infinigen.errors import InputError
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:  # argparse's own exits (usage errors)
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("  \n\t\n")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (tmp_path / "prompt.txt").write_text("The quick brown fox jumps over the lazy dog.")
+    (tmp_path / "a-file").write_text("x")
+    return tmp_path
+
+
+# (arguments after `generate --model DIR`, with {tmp} for the files folder; status; what the line says)
+INPUT_ERRORS = {
+    "empty prompt file": (["--prompt-file", "{tmp}/empty.txt"], 2, "prompt file {tmp}/empty.txt is empty"),
+    "blank prompt file": (["--prompt-file", "{tmp}/blank.txt"], 2, "prompt file {tmp}/blank.txt is empty"),
+    "non-UTF-8 prompt file": (
+        ["--prompt-file", "{tmp}/latin1.txt"],
+        2,
+        "prompt file {tmp}/latin1.txt is not UTF-8 text (invalid continuation byte at byte 3)",
+    ),
+    "prompt file is a directory": (["--prompt-file", "{tmp}"], 2, "prompt file {tmp} is a directory"),
+    "missing prompt file": (["--prompt-file", "{tmp}/nope.txt"], 2, "prompt file {tmp}/nope.txt does not exist"),
+    "empty --prompt": (["--prompt", ""], 2, "the prompt is empty"),
+    "both prompts": (["--prompt", "a", "--prompt-file", "{tmp}/prompt.txt"], 2, "give --prompt or --prompt-file"),
+    "unparsable flag value": (["--prompt", "a", "--alpha", "abc"], 2, "argument --alpha: alpha takes a number"),
+    "unknown flag": (["--prompt", "a", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    "invalid setting": (["--prompt", "a", "--kv-dtype", "int8"], 2, "invalid configuration: kv_dtype must be one of"),
+    "incompatible settings": (
+        ["--prompt", "a", "--policy", "int4", "--tier", "disk"],
+        2,
+        "invalid configuration: policy 'int4': the int4 format keeps its packed KV in host RAM",
+    ),
+    "--kv-dir is a file": (
+        ["--prompt", "a", "--tier", "disk", "--kv-dir", "{tmp}/a-file"],
+        1,
+        "KV directory {tmp}/a-file is not a directory",
+    ),
+    "missing --kv-dir": (
+        ["--prompt", "a", "--tier", "disk", "--kv-dir", "{tmp}/no/such/dir"],
+        1,
+        "KV directory {tmp}/no/such/dir does not exist: create it (mkdir -p {tmp}/no/such/dir)",
+    ),
+    "prompt longer than the context": (
+        ["--prompt", "x" * 4000, "--max-new-tokens", "200"],
+        2,
+        "prompt (4000 tokens) + max_new_tokens (200) exceeds the model's context of 4096",
+    ),
+    "damaged --skew-file": (
+        ["--prompt", "a", "--skew-file", "{tmp}/latin1.txt", "--calibration-tokens", "64"],
+        2,
+        "skew artifact {tmp}/latin1.txt cannot be read",
+    ),
+    "pinned tier without CUDA": (["--prompt", "a", "--tier", "pinned"], 1, "the pinned tier needs a CUDA device"),
+}
+
+
+@pytest.mark.parametrize("case", INPUT_ERRORS, ids=list(INPUT_ERRORS))
+def test_every_expected_error_is_one_line(case, files, tiny_model_dir, capsys):
+    args, status, says = INPUT_ERRORS[case]
+    if case == "pinned tier without CUDA":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    argv = ["generate", "--model", str(tiny_model_dir), "--quiet", "--max-new-tokens", "2"]
+    argv += [a.replace("{tmp}", str(files)) for a in args]
+    rc, out, err = _run(capsys, *argv)
+    line = _one_error_line(err)
+    assert rc == status, err
+    assert says.replace("{tmp}", str(files)) in line
+    assert out == ""
+    assert sorted(p.name for p in files.iterdir()) == ["a-file", "blank.txt", "empty.txt", "latin1.txt", "prompt.txt"]
+
+
+def test_the_exact_skew_command_names_the_model(files, tiny_model_dir, capsys):
+    bad = files / "bad.safetensors"
+    bad.write_bytes(b"\0" * 100)
+    rc, _, err = _run(
+        capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--skew-file", str(bad),
+        "--partial-ratio", "0.5", "--calibration-tokens", "64",
+    )  # fmt: skip
+    line = _one_error_line(err)
+    assert rc == 2
+    command = f"infinigen skew --model {tiny_model_dir} --partial-ratio 0.5 --calibration-tokens 64 --output {bad}"
+    assert f"`{command}`" in line
+    # ... and that command, run as printed, makes an artifact the first command then accepts.
+    assert main(command.split()[1:] + ["--quiet"]) == 0
+    capsys.readouterr()
+    rc, out, err = _run(
+        capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--skew-file", str(bad),
+        "--partial-ratio", "0.5", "--calibration-tokens", "64", "--max-new-tokens", "2",
+    )  # fmt: skip
+    assert rc == 0 and err == "" and "2 new tokens" in out
+
+
+@pytest.mark.parametrize("what", ["non-UTF-8", "empty", "missing"])
+def test_calibration_file_errors_name_the_file(what, files, tiny_model_dir, capsys):
+    path = {"non-UTF-8": files / "latin1.txt", "empty": files / "empty.txt", "missing": files / "nope.txt"}[what]
+    rc, _, err = _run(
+        capsys, "skew", "--model", str(tiny_model_dir), "--quiet", "--calibration-file", str(path),
+        "--output", str(files / "out.safetensors"),
+    )  # fmt: skip
+    assert rc == 2 and f"calibration file {path}" in _one_error_line(err)
+    assert not (files / "out.safetensors").exists()
+
+
+def test_model_errors_are_one_line(tmp_path, tiny_model_dir, capsys):
+    rc, _, err = _run(capsys, "generate", "--model", str(tmp_path / "nowhere"), "--quiet", "--prompt", "a")
+    assert rc == 1 and "not found" in _one_error_line(err)
+    rc, _, err = _run(capsys, "generate", "--model", str(tmp_path), "--quiet", "--prompt", "a")
+    assert rc == 1 and "has no config.json" in _one_error_line(err)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_model_dir, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    rc, _, err = _run(capsys, "generate", "--model", str(damaged), "--quiet", "--prompt", "a")
+    assert rc == 1 and f"cannot load the model in {damaged}" in _one_error_line(err)
+
+
+def test_not_enough_space_is_one_line_before_the_model_runs(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    rc, out, err = _run(
+        capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--policy", "full",
+        "--tier", "disk", "--kv-dir", str(tmp_path),
+    )  # fmt: skip
+    line = _one_error_line(err)
+    assert rc == 1 and f"not enough free space in {tmp_path}" in line and "1000 free" in line
+    assert list(tmp_path.iterdir()) == [] and open_files_in(tmp_path) == []
+
+
+def test_a_disk_that_fills_during_the_run_is_one_line_and_nothing_is_left(
+    tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    """ENOSPC from the write call itself (the disk filled behind the reservation's back)."""
+    real = os.pwrite
+    writes = []
+
+    def full_after_probe(fd, buf, offset):
+        writes.append(offset)
+        if len(writes) > 4:  # the first writes are the files' O_DIRECT probes
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(os, "pwrite", full_after_probe)
+    rc, out, err = _run(
+        capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "x" * 300, "--policy", "full",
+        "--tier", "disk", "--kv-dir", str(tmp_path), "--max-new-tokens", "40",
+    )  # fmt: skip
+    line = _one_error_line(err)
+    assert rc == 1 and f"the disk holding the KV files ({tmp_path}) is full" in line
+    assert list(tmp_path.iterdir()) == [] and open_files_in(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["mount", "permissions"])
+def test_a_read_only_kv_dir_is_one_line(how, tmp_path, tiny_model_dir, capsys, mount_tmpfs):
+    if how == "mount":
+        directory, says = mount_tmpfs("1m", readonly=True), "is on a read-only file system"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes through permissions")
+        directory, says = tmp_path / "locked", "is not writable by this user"
+        directory.mkdir(mode=0o555)
+    rc, _, err = _run(
+        capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--policy", "full",
+        "--tier", "disk", "--kv-dir", str(directory),
+    )  # fmt: skip
+    assert rc == 1 and f"KV directory {directory} {says}" in _one_error_line(err)
+
+
+def test_a_bug_is_one_line_that_points_at_debug(tiny_model_dir, capsys, monkeypatch):
+    import infinigen.generation
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape mismatch\nin some kernel")
+
+    monkeypatch.setattr(infinigen.generation, "run_generation", broken)
+    rc, _, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a")
+    line = _one_error_line(err)
+    assert rc == 1
+    assert line == (
+        "error: internal error (RuntimeError: shape mismatch; in some kernel); run again with --debug for the traceback"
+    )
+
+
+def test_debug_shows_the_traceback(files, tiny_model_dir):
+    with pytest.raises(InputError, match="is empty"):
+        main(["generate", "--model", str(tiny_model_dir), "--prompt-file", str(files / "empty.txt"), "--debug"])
+    with pytest.raises(InputError, match="is empty"):
+        main(["--debug", "generate", "--model", str(tiny_model_dir), "--prompt-file", str(files / "empty.txt")])
+
+
+def test_a_recalibrated_artifact_is_one_warning_line(tiny_model_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    argv = ["generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "abc", "--max-new-tokens", "2"]
+    argv += ["--calibration-tokens", "64"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    (cached,) = (tmp_path / "skew").glob("*.safetensors")
+    cached.write_bytes(cached.read_bytes()[:-64])
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    (line,) = err.splitlines()
+    assert line.startswith(f"warning: the cached skew artifact {cached} cannot be read (")
+    assert line.endswith("): recalibrating and replacing it")
+    assert "2 new tokens" in out
