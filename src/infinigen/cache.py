@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache
 
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InfiniGenError
-from infinigen.layers import CacheCounters, ComputeLayer, OffloadedLayer, Positions
+from infinigen.layers import CacheCounters, ComputeLayer, OffloadedLayer, Positions, RowBuffers
 from infinigen.select import Selector
 from infinigen.storage import Storage
 
@@ -98,6 +98,7 @@ class InfiniGenCache(SessionCache):
         self.counters = CacheCounters(trace=[] if trace else None)
         # Selection and fetch of a layer run here while the compute thread finishes the layer before.
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="infinigen-prefetch") if selector else None
+        buffers = RowBuffers()
         layers: list[Any] = []
         for i, role in enumerate(roles):
             if role == "compute":
@@ -116,6 +117,7 @@ class InfiniGenCache(SessionCache):
                         pooled=pooled,
                         measure_recall=config.measure_recall,
                         prefetch=self.prefetch,
+                        buffers=buffers,
                     )  # fmt: skip
                 )
         super().__init__(layers=layers)

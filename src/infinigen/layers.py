@@ -180,6 +180,31 @@ class ComputeLayer(SessionLayer):
         self._k = self._v = self.keys = self.values = None
 
 
+class RowBuffers:
+    """Where transfers land: [B, Hkv, >= rows, d] buffers in the compute dtype, written once by
+    the tier (converted where the rows land) and then by the new token, so that a step copies
+    each row once; grown by doubling. Layers of one cache share two pairs, by the parity of their
+    index: layer i's transfer is issued during layer i - 1 and read by layer i's attention,
+    after which layer i + 2 may reuse them. Slots a ragged selection leaves unused hold finite
+    stale rows, which attention masks out."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+
+    def room(self, layer: int, like: KVTier, rows: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = self._pairs[layer % 2]
+        have = 0 if pair is None else pair[0].shape[2]
+        same_kind = pair is not None and pair[0].dtype == dtype and pair[0].shape[:2] == (like.batch, like.kv_heads)
+        if not same_kind or rows > have:
+            shape = (like.batch, like.kv_heads, max(rows, 2 * have if same_kind else 0), like.head_dim)
+            k = torch.zeros(shape, dtype=dtype, device=device)
+            v = torch.zeros_like(k)
+            if same_kind:  # what is held stays (a fetch may already have landed)
+                k[:, :, :have], v[:, :, :have] = pair
+            pair = self._pairs[layer % 2] = (k, v)
+        return pair
+
+
 @dataclass
 class _InFlight:
     selects: bool  # the transfer delivers (selection, rows); else the rows of every position
@@ -206,6 +231,7 @@ class OffloadedLayer(SessionLayer):
     pooled: bool = False
     measure_recall: bool = False
     prefetch: Executor | None = None  # the cache's prefetch thread (None: select and fetch inline)
+    buffers: RowBuffers = field(default_factory=RowBuffers)  # shared by the layers of a cache
     tier: KVTier | None = None
     length: int = 0
     stats: LayerStats = field(default_factory=LayerStats)
@@ -216,7 +242,6 @@ class OffloadedLayer(SessionLayer):
             self.selector = None
         self.state = self.selector.new_state(self.index) if self.selector is not None else None
         self._in_flight: _InFlight | None = None
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # where transfers land (see `_room`)
         self._selection: Selection | None = None  # what the current step attends ...
         self._attend_valid: torch.Tensor | None = None  # ... as a mask over (rows, current token)
 
@@ -270,15 +295,8 @@ class OffloadedLayer(SessionLayer):
         return selection, rows, float(self._fraction(selection, past))
 
     def _room(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffers [B, Hkv, >= rows, d] in the compute dtype that transfers write into and the new
-        token is appended to, so that a step copies each row once; grown by doubling. Slots a
-        ragged selection leaves unused hold finite stale rows, which attention masks out."""
-        have = 0 if self._rows is None else self._rows[0].shape[2]
-        if rows > have:
-            shape = (self.tier.batch, self.tier.kv_heads, max(rows, 2 * have), self.tier.head_dim)
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self._rows = (k, torch.zeros_like(k))
-        return self._rows
+        """This layer's transfer buffers with room for `rows` (see `RowBuffers`)."""
+        return self.buffers.room(self.index, self.tier, rows, self.dtype, self.device)
 
     def _valid(self, past: int) -> torch.Tensor:
         """[B, Hkv, past]: the positions that exist for each KV head (real, still stored);
@@ -400,7 +418,6 @@ class OffloadedLayer(SessionLayer):
             self.stats.evictions, self.stats.pool_slots = self.pool_counts()
             self.tier.close()
             self.tier = None
-        self._rows = None
 
     def pool_counts(self) -> tuple[int, int]:
         """(positions evicted, rows the capped host pool holds); zeros without a pool."""
