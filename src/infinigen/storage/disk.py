@@ -496,6 +496,9 @@ class DiskTier(KVTier):
             )
         self._reserve(self.length + n)
         rec, blk, d = self.record_bytes, self.block_size, self.head_dim
+        if n == 1 and rec <= blk:  # a decode step: straight into the RAM tail, converted there
+            self._append_one(keys, values)
+            return
         width = 2 * d * keys.new_empty((), dtype=self.dtype).element_size()
         k = keys.detach().to("cpu", self.dtype)
         v = values.detach().to("cpu", self.dtype)
@@ -530,6 +533,26 @@ class DiskTier(KVTier):
         if end > full_end:
             self._tails[:, : end - full_end] = staged[:, whole : whole + end - full_end]
         self.length += n
+
+    def _append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One position: its record goes into the tail block in RAM; a tail block it fills is
+        handed, whole, to the I/O thread (written behind, ahead of any later gather)."""
+        rec, blk, d = self.record_bytes, self.block_size, self.head_dim
+        begin = self.length * rec
+        lead = begin - self._tail_start()
+        typed = self._tails[:, lead : lead + rec].view(self.dtype)  # [regions, rec / itemsize]
+        typed[:, :d] = keys.detach().reshape(self.regions, d)
+        typed[:, d : 2 * d] = values.detach().reshape(self.regions, d)
+        self.length += 1
+        if (begin + rec) % blk == 0:  # the tail block is full
+            buf = _aligned(self.regions * blk)
+            torch.frombuffer(buf, dtype=torch.uint8, count=self.regions * blk).view(self.regions, blk).copy_(
+                self._tails
+            )
+            view = memoryview(buf)
+            start = begin + rec - blk
+            writes = [(view[r * blk : (r + 1) * blk], r * self.region_bytes + start) for r in range(self.regions)]
+            self._pending.append(self.threads.control.submit(self._write_now, writes, buf))
 
     def _staging(self, need: int, keep: bool) -> mmap.mmap:
         """An aligned buffer for a write; a prefill's reuses one kept buffer (written before the
