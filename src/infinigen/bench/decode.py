@@ -266,6 +266,31 @@ def policy_configs(args: argparse.Namespace, policies: list[str]) -> list[tuple[
     return out
 
 
+def _run_child(args: argparse.Namespace, kv_file: Path, cfg: InfiniGenConfig, row: str, batch: int, bar) -> dict:
+    """One (policy, context, batch) run in its own process, so that its peak RSS is its own."""
+    cmd = [
+        sys.executable, "-m", "infinigen.bench.decode", "--child",
+        "--kv-file", str(kv_file), "--config-json", json.dumps(cfg.to_dict()), "--batch", str(batch),
+        "--steps", str(args.steps), "--profile", str(args.profile), "--row", row,
+    ]  # fmt: skip
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        bar.close()
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"benchmark child failed for policy={row} batch={batch}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s, with every run's tokens/s alongside."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    return row
+
+
 def run_parent(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
@@ -275,6 +300,8 @@ def run_parent(args: argparse.Namespace) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     policies = args.policies.split(",")
+    if args.repeats < 1 or args.steps < 2:
+        raise SystemExit("--repeats must be >= 1 and --steps >= 2 (the first step only warms up)")
     configs = policy_configs(args, policies)  # invalid settings fail here, before any model work
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -288,9 +315,8 @@ def run_parent(args: argparse.Namespace) -> int:
             with attach(model, cfg, tokenizer=tok):
                 pass
     rows: list[dict] = []
-    todo = [(c, cfg, b) for c in contexts for b in batches for cfg in configs]
     base = configs[0][1]
-    bar = tqdm(total=len(todo), desc="bench decode", unit="config")
+    bar = tqdm(total=len(contexts) * len(batches) * len(configs) * args.repeats, desc="bench decode", unit="run")
     kv_dtype = base.storage_dtype() or torch.float32
     with tempfile.TemporaryDirectory(prefix="infinigen-bench-") as tmp:
         for c in contexts:
@@ -298,28 +324,19 @@ def run_parent(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"prefill {c}")
             save_prefill(model, _prompt_ids(tok, c), kv_file, kv_dtype)
             for b in batches:
-                for p, cfg in configs:
-                    bar.set_postfix_str(f"{p} ctx={c} B={b}")
-                    cmd = [
-                        sys.executable, "-m", "infinigen.bench.decode", "--child",
-                        "--kv-file", str(kv_file), "--config-json", json.dumps(cfg.to_dict()), "--batch", str(b),
-                        "--steps", str(args.steps), "--profile", str(args.profile),
-                        "--row", p,
-                    ]  # fmt: skip
-                    if args.model:
-                        cmd += ["--model", args.model]
-                    proc = subprocess.run(cmd, capture_output=True, text=True)
-                    if proc.returncode != 0:
-                        bar.close()
-                        sys.stderr.write(proc.stderr[-4000:])
-                        raise SystemExit(f"benchmark child failed for policy={p} context={c} batch={b}")
-                    row = json.loads(proc.stdout.strip().splitlines()[-1])
-                    rows.append(row)
+                runs: dict[str, list[dict]] = {p: [] for p, _ in configs}
+                for _ in range(args.repeats):  # rounds interleave the rows: drift hits every row alike
+                    for p, cfg in configs:
+                        bar.set_postfix_str(f"{p} ctx={c} B={b}")
+                        runs[p].append(_run_child(args, kv_file, cfg, p, b, bar))
+                        bar.update(1)
+                for p, _ in configs:
+                    rows.append(_median_run(runs[p]))
+                    r = rows[-1]
                     tqdm.write(
-                        f"{p:>10} ctx={c:>5} B={b}: {row['tokens_per_s']:.2f} tok/s, "
-                        f"{row['bytes_read_per_token'] / 2**20:.2f} MiB/token"
+                        f"{p:>10} ctx={c:>5} B={b}: {r['tokens_per_s']:.2f} tok/s, "
+                        f"{r['bytes_read_per_token'] / 2**20:.2f} MiB/token"
                     )
-                    bar.update(1)
     bar.close()
     for r in rows:
         same = {q["policy"]: q for q in rows if q["context"] == r["context"] and q["batch"] == r["batch"]}
@@ -334,7 +351,9 @@ def run_parent(args: argparse.Namespace) -> int:
     table = _fmt_table(rows)
     note = (
         f"tier={base.tier} (KV stored as {base.kv_dtype}; compute fp32 on CPU; block cache {base.block_cache} of each "
-        f"layer's blocks), {args.steps} decode steps after prefill, tok/s over steps 2..N. 'x dense': against the "
+        f"layer's blocks), {args.steps} decode steps after prefill, tok/s over steps 2..N"
+        + (f", median of {args.repeats} interleaved runs" if args.repeats > 1 else "")
+        + ". 'x dense': against the "
         "faster of dense (preallocated) and dense-hf (DynamicCache). Per token: 'tier MiB' read from the slow "
         "tier's medium (the disk; host RAM for the ram tier), read amplification included; 'cache MiB' served "
         "from RAM in front of the disk (unwritten tail blocks, block cache); 'reads' disk read requests. 'spec ms': selection time per step, on the prefetch thread; "
@@ -354,6 +373,7 @@ def run_parent(args: argparse.Namespace) -> int:
             "batches": batches,
             "policies": policies,
             "steps": args.steps,
+            "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(),
             "configs": {p: cfg.to_dict() for p, cfg in configs},
         },
@@ -379,6 +399,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
         "int4 (RAM tier), quest, oracle",
     )
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs per row, interleaved in rounds; the row shows the median"
+    )
     ap.add_argument("--out", default="results/bench")
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N", help="print the top N functions of a decode profile per run"
