@@ -92,6 +92,7 @@ class InfiniGenCache(SessionCache):
             pool_positions=max_length,
             eviction=config.eviction,
             block_cache=config.block_cache,
+            copy_engine=config.copy_engine,
         )
         self.positions = Positions()
         self._batch: int | None = None  # the batch of the first update: every update must match it

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from infinigen.errors import InfiniGenError
-from infinigen.storage import check_combination
+from infinigen.storage import COPY_ENGINES, check_combination
 
 
 class ConfigError(InfiniGenError, ValueError):
@@ -203,6 +203,12 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         "recently used out); 0 reads every block from disk",
         fraction(low_open=False),
     )
+    copy_engine: str = knob(
+        "auto",
+        "pinned tier: how rows reach the compute device: auto (CUDA side streams on a GPU), cuda, or threads "
+        "(the same protocol on CPU threads, to run it without a GPU)",
+        one_of(COPY_ENGINES),
+    )
     host_capacity: float | None = knob(
         None,
         "cap the speculated layers' rows to this fraction of the generation's positions in a host pool "
@@ -215,7 +221,7 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         None,
         "torch intra-op threads while attached (default: for offloading policies one less than torch's current "
         "count, which leaves a core to the prefetch and I/O threads; unchanged for dense)",
-        at_least(1),
+        Rule("an integer in [1, 1024]", lambda v: 1 <= v <= 1024),
     )
 
     def __post_init__(self) -> None:

@@ -186,13 +186,15 @@ class RowBuffers:
     each row once; grown by doubling. Layers of one cache share two pairs, by the parity of their
     index: layer i's transfer is issued during layer i - 1 and read by layer i's attention,
     after which layer i + 2 may reuse them. Slots a ragged selection leaves unused hold finite
-    stale rows, which attention masks out."""
+    stale rows, which attention masks out. A model split across devices gets two pairs per
+    device: a layer's buffers live where it computes."""
 
     def __init__(self) -> None:
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+        self._pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def room(self, layer: int, like: KVTier, rows: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        pair = self._pairs[layer % 2]
+        key = (layer % 2, str(torch.device(device)))
+        pair = self._pairs.get(key)
         have = 0 if pair is None else pair[0].shape[2]
         same_kind = pair is not None and pair[0].dtype == dtype and pair[0].shape[:2] == (like.batch, like.kv_heads)
         if not same_kind or rows > have:
@@ -201,15 +203,21 @@ class RowBuffers:
             v = torch.zeros_like(k)
             if same_kind:  # what is held stays (a fetch may already have landed)
                 k[:, :, :have], v[:, :, :have] = pair
-            pair = self._pairs[layer % 2] = (k, v)
+            pair = self._pairs[key] = (k, v)
         return pair
 
 
 @dataclass
 class _InFlight:
-    selects: bool  # the transfer delivers (selection, rows); else the rows of every position
+    selects: bool  # the transfer delivers (selection, tier transfer, fraction); else every position's rows
     transfer: Future
     issued_at: int
+
+    def settle(self) -> None:
+        """Wait until nothing of this transfer is still reading the tier."""
+        done = self.transfer.result()
+        if self.selects:
+            done[1].result()
 
 
 @dataclass(eq=False)
@@ -284,6 +292,10 @@ class OffloadedLayer(SessionLayer):
         start = time.perf_counter()
         query = None
         if self.selector.query_from is not None:
+            if x.device != self.device:  # the previous layer computes on another device
+                x = x.to(self.device)
+                if position_embeddings is not None:
+                    position_embeddings = tuple(t.to(self.device) for t in position_embeddings)
             xf = x if x.dtype == torch.float32 else x.to(torch.float32)
             query = self.adapter.queries(self.index, xf, position_embeddings)[:, :, -1]
         selection = self.selector.select(self.state, self.index, query, past, valid)
@@ -291,8 +303,9 @@ class OffloadedLayer(SessionLayer):
         if self.counters.trace is not None:
             self.counters.trace.append(TransferRecord(self.index, issued_at, past, selection))
         out = self._room(selection.indices.shape[2] + 1)
-        rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self.dtype, out=out).result()
-        return selection, rows, float(self._fraction(selection, past))
+        transfer = self.tier.gather_async(selection.indices, selection.valid, self.device, self.dtype, out=out)
+        # The compute thread waits on `transfer` (a device transfer orders that thread's stream).
+        return selection, transfer, float(self._fraction(selection, past))
 
     def _room(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's transfer buffers with room for `rows` (see `RowBuffers`)."""
@@ -321,16 +334,19 @@ class OffloadedLayer(SessionLayer):
         in_flight, self._in_flight = self._in_flight, None
         if past > 0 and (n > 1 or in_flight is None):  # a prefill chunk after the first, or nothing issued
             if in_flight is not None:
-                in_flight.transfer.result()
+                in_flight.settle()
             transfer = self.tier.read_all_async(past, self.device, self.dtype, out=self._room(past + n))
             in_flight = _InFlight(False, transfer, self.index)
         fetched = self._wait(in_flight.transfer) if past > 0 else None
         selection = fraction = None
         if in_flight is not None and in_flight.selects:
-            selection, fetched, fraction = fetched
+            selection, transfer, fraction = fetched
+            fetched = self._wait(transfer)
 
         if self.tier is None:
-            self.tier = self.storage.new_tier(b, hkv, d, key_states.dtype, pooled=self.pooled, positions=n)
+            self.tier = self.storage.new_tier(
+                b, hkv, d, key_states.dtype, pooled=self.pooled, positions=n, device=key_states.device
+            )
         new_valid = self.positions.upto(b, past + n, key_states.device)[:, past:]
         self.tier.append(key_states, value_states, new_valid)
         if self.selector is not None:
@@ -411,7 +427,7 @@ class OffloadedLayer(SessionLayer):
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             try:
-                in_flight.transfer.result()
+                in_flight.settle()
             except Exception:
                 pass
         if self.tier is not None:

@@ -7,6 +7,8 @@ signature (`Selector.select(state, layer, query, past, valid) -> Selection`).
 
 from __future__ import annotations
 
+import torch
+
 from infinigen.config import POLICIES, InfiniGenConfig
 from infinigen.select.base import Selector
 from infinigen.select.h2o import H2OSelector
@@ -31,11 +33,22 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
     if cls is InfiniGenSelector:
         if artifact is None:
             raise ValueError("the infinigen selector needs the skew artifact of an attach session")
-        device = next(adapter.model.parameters()).device
-        return InfiniGenSelector(knobs, adapter, projections_from_artifact(artifact, adapter.head_dim, folded, device))
+        devices = layer_devices(adapter)
+        return InfiniGenSelector(knobs, adapter, projections_from_artifact(artifact, adapter.head_dim, folded, devices))
     if cls is OracleSelector:
         return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())
     return cls(knobs, adapter)
+
+
+def layer_devices(adapter) -> dict[int, torch.device]:
+    """Where each layer's attention computes: its weights' device (a model split across devices
+    by a `device_map` has several), so that a layer's selector state lives next to it."""
+    default = next(adapter.model.parameters()).device
+    out = {}
+    for i, attn in enumerate(adapter.attention_modules()):
+        weight = next(attn.parameters(), None)
+        out[i] = weight.device if weight is not None and weight.device.type != "meta" else default
+    return out
 
 
 __all__ = ["SELECTORS", "Selector", "make_selector"]

@@ -82,10 +82,12 @@ class InfiniGenSelector(Selector):
 
 
 def projections_from_artifact(artifact, head_dim: int, folded: bool, device) -> dict[int, torch.Tensor]:
-    """Per layer, the projection onto the skewed partial channels. For a model whose skew is
-    folded into its weights (no RoPE: OPT), keys arrive already skewed: channels only."""
+    """Per layer, the projection onto the skewed partial channels, on `device` (one device, or
+    {layer: device} for a model split across devices). For a model whose skew is folded into its
+    weights (no RoPE: OPT), keys arrive already skewed: channels only."""
     out = {}
     for i, channels in artifact.channels.items():
         a = None if folded else artifact.skews.get(i)
-        out[i] = partial_projection(a, channels, head_dim).to(device)
+        where = device.get(i, "cpu") if isinstance(device, dict) else device
+        out[i] = partial_projection(a, channels, head_dim).to(where)
     return out

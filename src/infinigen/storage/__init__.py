@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats
+from infinigen.storage.copyengine import COPY_ENGINES, CopyEngine, CudaCopyEngine, ThreadCopyEngine, new_copy_engine
 from infinigen.storage.disk import DiskTier, IOThreads, check_space, reserved_bytes
 from infinigen.storage.int4 import GROUP, Int4RamTier, fake_quantize_int4, int4_row_bytes
 from infinigen.storage.pinned import PinnedTier
@@ -67,7 +68,10 @@ class Storage:
                    checked once, before the first byte is written;
     host_capacity: None, or the fraction of `pool_positions` (default: the first append) a
                    capped host pool keeps per (batch row, KV head); only for `new_tier(pooled=True)`;
-    block_cache:   the fraction of a disk tier's blocks also kept in RAM as a read cache.
+    block_cache:   the fraction of a disk tier's blocks also kept in RAM as a read cache;
+    copy_engine:   how the pinned tier moves rows to the compute device: ``auto`` (CUDA streams
+                   when the device is a GPU), ``cuda``, ``threads`` (the same protocol on CPU
+                   threads), or a `CopyEngine` instance.
     """
 
     def __init__(
@@ -86,22 +90,35 @@ class Storage:
         pool_positions: int | None = None,
         eviction: str = "counter",
         block_cache: float = 0.0,
+        copy_engine: str | CopyEngine = "auto",
     ) -> None:
         check_combination(tier, fmt, pooled=host_capacity is not None)
         self.tier, self.fmt, self.kv_dtype = tier, fmt, kv_dtype
         self.capacity, self.layers, self.reserve = capacity, layers, reserve
         if tier == "disk" and fmt == "native" and layers:
             check_space(directory, 0)  # an unusable directory fails now, before any model work
-        if tier == "pinned" and not torch.cuda.is_available():
-            raise KVStorageError(
-                errno.ENODEV, "the pinned tier needs a CUDA device; use tier='ram' or tier='disk' on this machine"
-            )
+        self.copy_engine = copy_engine
+        self._engines: dict[str, CopyEngine] = {}  # one per compute device (a split model has several)
+        if tier == "pinned":
+            self.engine_for(device)  # an unusable engine fails now, before any model work
         self.directory, self.io_threads, self.device = directory, io_threads, device
         self.host_capacity, self.pool_positions, self.eviction = host_capacity, pool_positions, eviction
         self.block_cache = block_cache
         self.stats = TransferStats()
         self._threads: IOThreads | None = None
         self._reserved = False
+
+    def engine_for(self, device: torch.device | str | None) -> CopyEngine:
+        """The copy engine of the pinned tiers whose rows go to `device`."""
+        if isinstance(self.copy_engine, CopyEngine):
+            return self.copy_engine
+        key = str(device)
+        if key not in self._engines:
+            try:
+                self._engines[key] = new_copy_engine(self.copy_engine, device)
+            except (RuntimeError, ValueError) as exc:
+                raise KVStorageError(errno.ENODEV, str(exc)) from None
+        return self._engines[key]
 
     def dtype_for(self, compute: torch.dtype) -> torch.dtype:
         return self.kv_dtype or compute
@@ -115,9 +132,11 @@ class Storage:
         *,
         pooled: bool = False,
         positions: int = 0,
+        device: torch.device | str | None = None,
     ) -> KVTier:
         """The tier of one layer; `positions` is the length of its first append (the prompt),
-        which sizes a capped pool unless `pool_positions` was given."""
+        which sizes a capped pool unless `pool_positions` was given; `device`: where the layer
+        computes (default: the storage's device)."""
         dtype = self.dtype_for(compute_dtype)
         stats = self.stats
         if pooled:
@@ -145,7 +164,8 @@ class Storage:
                 cache_fraction=self.block_cache,
                 reserve=reserve,
             )  # fmt: skip
-        return PinnedTier(batch, kv_heads, head_dim, dtype, stats, self.device if self.device is not None else "cuda")
+        engine = self.engine_for(device if device is not None else self.device)
+        return PinnedTier(batch, kv_heads, head_dim, dtype, stats, engine, capacity=self.pool_positions or 0)
 
     def close(self) -> None:
         """Stop the shared I/O threads (after the tiers are closed); idempotent."""
@@ -153,9 +173,18 @@ class Storage:
         if threads is not None:
             self._finalizer.detach()
             threads.shutdown(wait=True)
+        engines, self._engines = list(self._engines.values()), {}
+        if isinstance(self.copy_engine, CopyEngine):
+            engines.append(self.copy_engine)
+        for engine in engines:
+            engine.close()
 
 
 __all__ = [
+    "COPY_ENGINES",
+    "CopyEngine",
+    "CudaCopyEngine",
+    "ThreadCopyEngine",
     "EVICTIONS",
     "FORMATS",
     "TIERS",
@@ -164,6 +193,7 @@ __all__ = [
     "KVCapacityError",
     "KVStorageError",
     "KVTier",
+    "PinnedTier",
     "PooledTier",
     "RamTier",
     "Storage",

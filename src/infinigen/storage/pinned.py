@@ -1,11 +1,13 @@
-"""Pinned host memory behind PCIe, for a CUDA compute device.
+"""Host memory behind a link to the compute device (pinned host RAM behind PCIe, for a GPU).
 
-The full K and V of a layer live in page-locked host memory. A fetch gathers the selected rows
-on the host into a pinned staging buffer and copies them to the device on a side stream; the
-compute stream later waits on that copy's event only (``wait_event``), so the decode path never
-synchronizes the whole device. New KV rows go device→host on another side stream, ordered after
-the compute that produced them; a host-side gather of a row waits (on the host) for the event of
-the write that stored it.
+The full K and V of a layer live in host buffers of the copy engine (page-locked on CUDA),
+preallocated for the generation's length when it is known. New rows go device→host on the
+engine's write queue, after the compute that produced them. A gather sizes itself on the host
+(the selected indices come to the host: the only host sync of a decode step), copies the rows
+into a staging buffer with one index_select per K and V, and queues one host→device copy of the
+packed rows plus one scatter into the layer's preallocated device buffer on the copy queue. The
+compute waits on that transfer's marker only (`result()`), never on the whole device. The same
+code runs on CUDA streams and on CPU threads (`storage/copyengine.py`).
 """
 
 from __future__ import annotations
@@ -15,36 +17,46 @@ import time
 import torch
 
 from infinigen.storage.base import KVTier, TransferStats, prefix_views
+from infinigen.storage.copyengine import CopyEngine
 
 
-class CudaTransfer:
-    """A fetch in flight: `result()` makes the current stream wait for it (no host sync)."""
+class EngineTransfer:
+    """A fetch in flight: `result()` orders the caller's compute after it (on CUDA without a host
+    sync) and hands back the rows' device views."""
 
-    def __init__(self, tensors: tuple[torch.Tensor, torch.Tensor], event, keepalive) -> None:
-        self._tensors = tensors
-        self._event = event
-        self._keepalive = keepalive  # staging buffers must outlive the copy
+    def __init__(self, engine: CopyEngine, marker, tensors: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._engine, self._marker, self._tensors = engine, marker, tensors
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        torch.cuda.current_stream(self._tensors[0].device).wait_event(self._event)
+        self._engine.device_wait(self._marker)
         return self._tensors
+
+    def done(self) -> bool:
+        return True
 
 
 class PinnedTier(KVTier):
-    """One layer's KV in pinned host RAM; transfers on side streams with one event each."""
+    """One layer's KV in the copy engine's host buffers (see the module docstring).
+
+    capacity: positions to allocate at once (the generation's length, if known), so that a
+    decode step never reallocates page-locked memory."""
 
     def __init__(
-        self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats, device
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        stats: TransferStats,
+        engine: CopyEngine,
+        capacity: int = 0,
     ) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("the pinned tier needs a CUDA device; use tier='ram' or tier='disk' on this machine")
         super().__init__(batch, kv_heads, head_dim, dtype, stats)
-        self.device = torch.device(device)
-        self._k = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, pin_memory=True)
-        self._v = torch.empty_like(self._k, pin_memory=True)
-        self._copy_stream = torch.cuda.Stream(self.device)
-        self._write_stream = torch.cuda.Stream(self.device)
-        self._write_event: torch.cuda.Event | None = None
+        self.engine = engine
+        self.device = engine.device
+        self._k = engine.host_empty((batch, kv_heads, capacity, head_dim), dtype)
+        self._v = engine.host_empty((batch, kv_heads, capacity, head_dim), dtype)
+        self._written = None  # marker of the last device→host write
 
     def _grow(self, need: int) -> None:
         cap = self._k.shape[2]
@@ -52,71 +64,109 @@ class PinnedTier(KVTier):
             return
         self._host_ready()
         new_cap = max(need, 2 * cap, 256)
-        k = torch.empty(self.batch, self.kv_heads, new_cap, self.head_dim, dtype=self.dtype, pin_memory=True)
-        v = torch.empty_like(k, pin_memory=True)
+        k = self.engine.host_empty((self.batch, self.kv_heads, new_cap, self.head_dim), self.dtype)
+        v = self.engine.host_empty((self.batch, self.kv_heads, new_cap, self.head_dim), self.dtype)
         k[:, :, : self.length] = self._k[:, :, : self.length]
         v[:, :, : self.length] = self._v[:, :, : self.length]
         self._k, self._v = k, v
 
     def _host_ready(self) -> None:
-        """Wait (host side, this event only) until the last device→host write landed."""
-        if self._write_event is not None:
-            self._write_event.synchronize()
+        """Wait (host side, for the last write only) until every stored row is in host memory."""
+        if self._written is not None:
+            self.engine.host_wait(self._written)
+            self._written = None
 
     def _append(self, keys, values, valid) -> None:
         n = keys.shape[2]
         self._grow(self.length + n)
-        produced = torch.cuda.current_stream(self.device).record_event()
-        with torch.cuda.stream(self._write_stream):
-            self._write_stream.wait_event(produced)
-            self._k[:, :, self.length : self.length + n].copy_(keys.detach().to(self.dtype), non_blocking=True)
-            self._v[:, :, self.length : self.length + n].copy_(values.detach().to(self.dtype), non_blocking=True)
-            keys.record_stream(self._write_stream)
-            values.record_stream(self._write_stream)
-            self._write_event = self._write_stream.record_event()
+        src_k, src_v = keys.detach().to(self.dtype), values.detach().to(self.dtype)  # on the compute side
+        dst_k = self._k[:, :, self.length : self.length + n]
+        dst_v = self._v[:, :, self.length : self.length + n]
+
+        def store() -> None:
+            dst_k.copy_(src_k, non_blocking=True)
+            dst_v.copy_(src_v, non_blocking=True)
+
+        # The write queue runs in order: waiting for the last write waits for every earlier one.
+        self._written = self.engine.write(store, self.engine.compute_marker(), keepalive=(src_k, src_v))
         self.length += n
 
-    def _gather_async(self, indices, valid, device, dtype, out=None) -> CudaTransfer:
+    def _gather_async(self, indices, valid, device, dtype, out=None) -> EngineTransfer:
         start = time.perf_counter()
-        self._host_ready()
         b, h, n = indices.shape
-        idx = indices.to("cpu")
-        ok = valid.to("cpu")
+        d = self.head_dim
+        ok = valid.to("cpu")  # sizing the gather: the one host sync of a decode step
         flat = ok.nonzero(as_tuple=True)
-        pos = idx[flat]
-        stage_k = torch.zeros(b, h, n, self.head_dim, dtype=self.dtype, pin_memory=True)
-        stage_v = torch.zeros_like(stage_k, pin_memory=True)
-        stage_k[flat] = self._k[flat[0], flat[1], pos]
-        stage_v[flat] = self._v[flat[0], flat[1], pos]
-        k, v = self._to_device(stage_k, stage_v, device, dtype, out)
-        event = self._copy_stream.record_event()
-        rows = int(pos.numel())
-        self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
-        return CudaTransfer((k, v), event, (stage_k, stage_v))
+        pos = indices.to("cpu")[flat]
+        m = int(pos.numel())
+        self._host_ready()
+        room = self._k.shape[2]
+        source = (flat[0] * self.kv_heads + flat[1]) * room + pos
+        key = ("gather", _buffer_key(out))
+        stage_k, stage_v = self.engine.staging(key, m, d, self.dtype)
+        torch.index_select(self._k.view(-1, d), 0, source, out=stage_k[:m])
+        torch.index_select(self._v.view(-1, d), 0, source, out=stage_v[:m])
+        if out is None:
+            out = (
+                torch.zeros(b, h, n, d, dtype=dtype, device=device),
+                torch.zeros(b, h, n, d, dtype=dtype, device=device),
+            )
+        k_out, v_out = prefix_views(out, n)
+        contiguous = out[0].is_contiguous() and out[1].is_contiguous()
+        out_room = out[0].shape[2]
+        if contiguous:  # one linear index per row, staged with the rows: one copy each
+            dest = self.engine.staging((*key, "index"), m, 1, torch.int64)[0][:m, 0]
+            torch.add(flat[2], (flat[0] * h + flat[1]) * out_room, out=dest)
+        else:
+            dest = None
+        rows_k, rows_v = stage_k[:m], stage_v[:m]
 
-    def _read_all_async(self, upto, device, dtype, out=None) -> CudaTransfer:
+        def land() -> None:
+            got_k = rows_k.to(device, non_blocking=True).to(dtype)
+            got_v = rows_v.to(device, non_blocking=True).to(dtype)
+            if contiguous:
+                where = dest.to(device, non_blocking=True)
+                out[0].view(-1, d).index_copy_(0, where, got_k)
+                out[1].view(-1, d).index_copy_(0, where, got_v)
+            else:  # rare (buffers a caller sliced): plain indexing
+                where = tuple(t.to(device) for t in flat)
+                k_out[where] = got_k
+                v_out[where] = got_v
+
+        marker = self.engine.copy(land, keepalive=(out[0], out[1]))
+        self.engine.staged(key, marker)
+        if contiguous:
+            self.engine.staged((*key, "index"), marker)
+        self.stats.add(m * self.row_bytes, m, time.perf_counter() - start)
+        return EngineTransfer(self.engine, marker, (k_out, v_out))
+
+    def _read_all_async(self, upto, device, dtype, out=None) -> EngineTransfer:
         start = time.perf_counter()
         self._host_ready()
         src_k, src_v = self._k[:, :, :upto], self._v[:, :, :upto]
-        k, v = self._to_device(src_k, src_v, device, dtype, out)
-        event = self._copy_stream.record_event()
-        rows = self.batch * self.kv_heads * upto
-        self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
-        return CudaTransfer((k, v), event, (self._k, self._v))
+        if out is None:
+            shape = (self.batch, self.kv_heads, upto, self.head_dim)
+            out = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        k, v = prefix_views(out, upto)
 
-    def _to_device(self, src_k, src_v, device, dtype, out):
-        """Host→device copies on the side stream; into `out` after everything the compute stream
-        was given so far (its last reader of those buffers included)."""
-        compute = torch.cuda.current_stream(torch.device(device))
-        with torch.cuda.stream(self._copy_stream):
-            if out is None:
-                return src_k.to(device, non_blocking=True).to(dtype), src_v.to(device, non_blocking=True).to(dtype)
-            self._copy_stream.wait_stream(compute)
-            k, v = prefix_views(out, src_k.shape[2])
+        def land() -> None:
             k.copy_(src_k, non_blocking=True)
             v.copy_(src_v, non_blocking=True)
-            return k, v
+
+        marker = self.engine.copy(land, keepalive=(out[0], out[1]))
+        rows = self.batch * self.kv_heads * upto
+        self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
+        return EngineTransfer(self.engine, marker, (k, v))
 
     def peek_all(self):
         self._host_ready()
         return self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def close(self) -> None:
+        self._host_ready()
+
+
+def _buffer_key(out) -> int | None:
+    """Which destination a staging buffer feeds: transfers into one destination run one after
+    another (a layer's transfers; layers sharing `RowBuffers`), so they may share staging."""
+    return None if out is None else out[0].data_ptr()
