@@ -102,6 +102,8 @@ def run_child(args: argparse.Namespace) -> dict:
         torch.set_num_threads(cfg.compute_threads)  # the other rows get theirs from attach
     hf_dense = args.row == HF_DENSE
     model, tok = load_model(args.model, progress=False)
+    device = torch.device(args.device)
+    model.to(device)
     rss_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     adapter = get_adapter(model)
     b = args.batch
@@ -114,11 +116,11 @@ def run_child(args: argparse.Namespace) -> dict:
             session = stack.enter_context(attach(model, cfg, tokenizer=tok, progress=False))
             cache = stack.enter_context(session.new_cache(max_length=context + args.steps + 1))
         with safe_open(args.kv_file, framework="pt") as f:
-            nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous()
+            nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous().to(device)
             # Stream the saved prefill into the cache layer by layer, as a prefill would.
             for i in range(adapter.num_layers):
-                k = f.get_tensor(f"layer.{i}.k").to(torch.float32).expand(b, -1, -1, -1).contiguous()
-                v = f.get_tensor(f"layer.{i}.v").to(torch.float32).expand(b, -1, -1, -1).contiguous()
+                k = f.get_tensor(f"layer.{i}.k").to(device, torch.float32).expand(b, -1, -1, -1).contiguous()
+                v = f.get_tensor(f"layer.{i}.v").to(device, torch.float32).expand(b, -1, -1, -1).contiguous()
                 cache.update(k, v, i)
                 del k, v
         past = cache.cache if hf_dense else cache
@@ -140,6 +142,8 @@ def run_child(args: argparse.Namespace) -> dict:
             tokens = out.logits[:, -1].argmax(-1, keepdim=True)
             if profiler is not None:
                 profiler.disable()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # timing only: a step ends when its kernels have run
             step_times.append(time.perf_counter() - t0)
         s = cache.summary()
         reads = 0 if hf_dense else cache.storage.stats.reads
@@ -275,6 +279,7 @@ def _run_child(args: argparse.Namespace, kv_file: Path, cfg: InfiniGenConfig, ro
     ]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
+    cmd += ["--device", args.device]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         bar.close()
@@ -302,6 +307,8 @@ def run_parent(args: argparse.Namespace) -> int:
     policies = args.policies.split(",")
     if args.repeats < 1 or args.steps < 2:
         raise SystemExit("--repeats must be >= 1 and --steps >= 2 (the first step only warms up)")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this machine has no CUDA device (torch sees none)")
     configs = policy_configs(args, policies)  # invalid settings fail here, before any model work
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -390,6 +397,7 @@ def run_parent(args: argparse.Namespace) -> int:
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     ap = ap or argparse.ArgumentParser(prog="infinigen bench decode", description=__doc__)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu", help="where the model computes: cpu, or cuda for the pinned tier")
     ap.add_argument("--contexts", default="1024,2048,4096,8000", help="comma-separated context lengths")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument(
