@@ -353,6 +353,13 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return run_parent(args)
 
 
+def cmd_bench_model(args: argparse.Namespace) -> int:
+    from infinigen.bench.model import check_args, run
+
+    check_args(args)
+    return run(args)
+
+
 # ---------------------------------------------------------------------- parser
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (with where to find the usage), like every error."""
@@ -447,6 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
     decode_parser(bd)
     _debug_flag(bd)
     bd.set_defaults(func=cmd_bench_decode)
+    from infinigen.bench.model import build_parser as model_parser
+
+    bm = bsub.add_parser("model", help="MODELLED decode speed for named GPUs, SSDs and models (cost model)")
+    model_parser(bm)
+    _debug_flag(bm)
+    bm.set_defaults(func=cmd_bench_model)
     return ap
 
 

@@ -1,0 +1,90 @@
+"""The cost model against hand-computed rooflines, and `bench model` end to end (no calibration)."""
+
+import json
+
+import pytest
+
+from infinigen.bench.costmodel import HARDWARE, MODELS, Hardware, ModelShape, Workload, kv_bytes, predict
+from infinigen.bench.model import MODELLED, validate
+from infinigen.cli import main
+
+TOY = ModelShape("toy", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100)
+HW = Hardware("toy-hw", "toy", flops=1e12, mem_bw=1e10, mem_gb=1.0, link_bw=1e8, gather_bw=5e7)
+
+
+def test_full_fetch_is_the_link_bound_roofline_by_hand():
+    ctx, b = 4096, 2
+    p = predict(HW, TOY, "full", ctx, b, Workload(fraction=1.0))
+    layer_bytes = b * ctx * 2 * TOY.kv_heads * TOY.head_dim * 2
+    lin = max(TOY.layer_params * 2 / HW.mem_bw, 2 * b * TOY.layer_params / HW.flops)
+    attn = max(
+        b * ctx * 2 * TOY.kv_heads * TOY.head_dim * 2 / HW.mem_bw, 4 * b * TOY.heads * ctx * TOY.head_dim / HW.flops
+    )
+    head = max(TOY.head_params * 2 / HW.mem_bw, 2 * b * TOY.head_params / HW.flops)
+    step = head + TOY.layers * max(lin + attn, layer_bytes / HW.link_bw)
+    assert p.step_ms == pytest.approx(1000 * step)
+    assert p.tokens_per_s == pytest.approx(b / step)
+    assert p.tier_bytes_per_token == pytest.approx(TOY.layers * layer_bytes / b)
+    assert p.bound == "link"
+
+
+def test_infinigen_moves_the_measured_fraction_of_the_speculated_layers():
+    ctx = 8192
+    w = Workload(fraction=0.05, amplification=1.5, dense_layers=1)
+    full = predict(HW, TOY, "full", ctx, 1, w)
+    inf = predict(HW, TOY, "infinigen", ctx, 1, w)
+    per_layer = full.tier_bytes_per_token / TOY.layers
+    # the dense layer stays with the compute; the three speculated ones move their fraction
+    assert inf.tier_bytes_per_token == pytest.approx(per_layer * 3 * 0.05 * 1.5)
+    assert inf.tokens_per_s > full.tokens_per_s  # link-bound: fewer bytes, faster
+
+
+def test_what_does_not_fit_is_reported_not_timed():
+    kv = kv_bytes(TOY, 4, 8192, 2)
+    weights = (TOY.layer_params * TOY.layers + TOY.head_params) * 2
+    w = Workload(fraction=0.05, dense_layers=1)
+    roomy = Hardware("roomy", "", 1e12, 1e10, mem_gb=(weights + kv) * 1.01 / 1e9, link_bw=1e9, gather_bw=1e9)
+    tight = Hardware("tight", "", 1e12, 1e10, mem_gb=(weights + kv) * 0.99 / 1e9, link_bw=1e9, gather_bw=1e9)
+    assert predict(roomy, TOY, "dense", 8192, 4, w).tokens_per_s is not None
+    p = predict(tight, TOY, "dense", 8192, 4, w)
+    assert p.tokens_per_s is None and "does not fit" in p.note
+    # InfiniGen keeps one layer's KV, the partial keys (5 of 16 channels of K) and two buffers
+    assert predict(tight, TOY, "infinigen", 8192, 4, w).tokens_per_s is not None
+    tiny = Hardware("tiny", "", 1e12, 1e10, mem_gb=(weights + kv / 4) / 1e9, link_bw=1e9, gather_bw=1e9)
+    assert predict(tiny, TOY, "infinigen", 8192, 4, w).tokens_per_s is None
+
+
+@pytest.mark.parametrize("hw", list(HARDWARE))
+def test_named_hardware_orders_policies_as_the_bytes_say(hw):
+    m = MODELS["llama-3.1-8b"]
+    w = Workload(fraction=0.05)
+    slow = [predict(HARDWARE[hw], m, "full", c, 1, w).tokens_per_s for c in (4096, 32768, 131072)]
+    assert slow[0] > slow[1] > slow[2], "full fetch slows as the context grows"
+    assert predict(HARDWARE[hw], m, "infinigen", 131072, 1, w).tokens_per_s > slow[2]
+
+
+def test_validation_reports_the_error_against_measured_rows():
+    shape = MODELS["smollm2-135m"]
+    hw = Hardware("cpu", "cpu", 1e11, 1e10, None, 3e8, 1e8, kv_compute_bytes=4, spec_on_compute=False)
+    pred = predict(hw, shape, "full", 2048, 1, Workload(fraction=1.0))
+    rows = [{"policy": "full", "context": 2048, "batch": 1, "tokens_per_s": pred.tokens_per_s * 1.25}]
+    (check,) = validate(rows, hw)
+    assert check["error"] == pytest.approx(1 / 1.25 - 1)
+    assert check["within_25pct"]
+
+
+def test_bench_model_prints_and_writes_a_modelled_table(tmp_path, capsys):
+    measured = tmp_path / "bench.json"
+    rows = [{"policy": "infinigen", "context": 2048, "batch": 1, "fetched_fraction": 0.1}]
+    measured.write_text(json.dumps({"rows": rows}))
+    argv = ["bench", "model", "--hardware", "a100-pcie4", "--models", "opt-13b", "--contexts", "4096",
+            "--batches", "1", "--measured", str(measured), "--paper", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert MODELLED in printed and "InfiniGen" in printed
+    report = json.loads((tmp_path / "out" / "bench_model.json").read_text())
+    assert report["meta"]["label"] == MODELLED
+    assert {r["policy"] for r in report["table"]} == {"dense", "full", "infinigen"}
+    assert report["paper"]["infinigen_fraction"] == 0.1
+    with pytest.raises(SystemExit, match="unknown hardware 'h999'"):
+        main([*argv[:3], "h999", *argv[4:]])
