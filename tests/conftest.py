@@ -76,6 +76,13 @@ def left_padded_batch(seed: int = 1, length: int = 24, pad: int = 5):
     return ids, mask
 
 
+def greedy_with_logits(model, cache, new_tokens: int = 5):
+    """Greedy generation of the left-padded test batch through `cache`, logits kept."""
+    ids, mask = left_padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return model.generate(past_key_values=cache, output_logits=True, return_dict_in_generate=True, **kw)
+
+
 def open_files_in(directory, pid: int | str = "self") -> list[str]:
     """The /proc/<pid>/fd links of the files process `pid` holds open in `directory` (named or
     not): what the process still occupies there, whatever the directory listing shows. Each

@@ -7,16 +7,10 @@ import pytest
 import torch
 from accelerate import dispatch_model
 
-from conftest import left_padded_batch, tiny_model
+from conftest import greedy_with_logits, tiny_model
 from infinigen import InfiniGenConfig, attach
 from infinigen.layers import RowBuffers
 from infinigen.storage import RamTier, TransferStats
-
-
-def _generate(model, cache):
-    ids, mask = left_padded_batch()
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    return model.generate(past_key_values=cache, output_logits=True, return_dict_in_generate=True, **kw)
 
 
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
@@ -24,7 +18,7 @@ def test_a_model_dispatched_with_a_split_device_map_decodes_as_the_plain_model(p
     cfg = InfiniGenConfig(policy=policy, alpha=1.0, calibration_tokens=64)
     plain = tiny_model("llama")
     with attach(plain, cfg, progress=False) as session:
-        ref = _generate(plain, session.new_cache())
+        ref = greedy_with_logits(plain, session.new_cache())
     split = tiny_model("llama")
     names = [f"model.layers.{i}" for i in range(split.config.num_hidden_layers)]
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
@@ -32,7 +26,7 @@ def test_a_model_dispatched_with_a_split_device_map_decodes_as_the_plain_model(p
     split = dispatch_model(split, device_map=device_map, force_hooks=True)
     assert hasattr(split.model.layers[1], "_hf_hook"), "accelerate's hooks must be in place"
     with attach(split, cfg, progress=False) as session:
-        out = _generate(split, session.new_cache())
+        out = greedy_with_logits(split, session.new_cache())
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.logits, ref.logits):
         assert torch.equal(a, b)

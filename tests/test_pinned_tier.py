@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import left_padded_batch, tiny_model
+from conftest import greedy_with_logits, left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
 from infinigen.storage import (
     KVStorageError,
@@ -123,12 +123,6 @@ def test_pinned_tier_without_cuda_names_the_ways_out():
             session.new_cache()
 
 
-def _generate(model, cache):
-    ids, mask = left_padded_batch()
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    return model.generate(past_key_values=cache, output_logits=True, return_dict_in_generate=True, **kw)
-
-
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
 def test_cache_with_the_pinned_protocol_on_threads_matches_the_ram_tier(policy):
     """Through the public API: the pinned tier (on CPU threads) gives the RAM tier's tokens,
@@ -137,9 +131,9 @@ def test_cache_with_the_pinned_protocol_on_threads_matches_the_ram_tier(policy):
     cfg = InfiniGenConfig(policy=policy, alpha=1.0, calibration_tokens=64, kv_dtype="float16")
     with attach(model, cfg, progress=False) as session:
         ram = session.new_cache()
-        ref = _generate(model, ram)
+        ref = greedy_with_logits(model, ram)
         pinned = session.new_cache(cfg.replace(tier="pinned", copy_engine="threads"))
-        out = _generate(model, pinned)
+        out = greedy_with_logits(model, pinned)
         assert torch.equal(out.sequences, ref.sequences)
         for a, b in zip(out.logits, ref.logits):
             assert torch.equal(a, b)
@@ -147,7 +141,7 @@ def test_cache_with_the_pinned_protocol_on_threads_matches_the_ram_tier(policy):
         assert pinned.summary()["fetched_fraction"] == ram.summary()["fetched_fraction"]
         pinned.close()
     if policy == "full":
-        plain = _generate(model, DynamicCache(config=model.config))
+        plain = greedy_with_logits(model, DynamicCache(config=model.config))
         for a, b in zip(out.logits, plain.logits):
             torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)  # KV stored in float16
 
