@@ -150,8 +150,15 @@ class PinnedTier(KVTier):
         k, v = prefix_views(out, upto)
 
         def land() -> None:
-            k.copy_(src_k, non_blocking=True)
-            v.copy_(src_v, non_blocking=True)
+            # One asynchronous copy per (batch row, KV head): each region's first `upto` rows are
+            # contiguous in host memory, in the storage dtype; converted on the device after.
+            shape = (self.batch, self.kv_heads, upto, self.head_dim)
+            for dst, src in ((k, src_k), (v, src_v)):
+                landing = torch.empty(shape, dtype=self.dtype, device=device)
+                for b in range(self.batch):
+                    for h in range(self.kv_heads):
+                        landing[b, h].copy_(src[b, h], non_blocking=True)
+                dst.copy_(landing)
 
         marker = self.engine.copy(land, keepalive=(out[0], out[1]))
         rows = self.batch * self.kv_heads * upto
