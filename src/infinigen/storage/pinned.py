@@ -79,13 +79,18 @@ class PinnedTier(KVTier):
     def _append(self, keys, values, valid) -> None:
         n = keys.shape[2]
         self._grow(self.length + n)
-        src_k, src_v = keys.detach().to(self.dtype), values.detach().to(self.dtype)  # on the compute side
+        # Converted and made contiguous on the compute side, then one asynchronous copy per
+        # (batch row, KV head) into that region's contiguous rows of host memory.
+        src_k = keys.detach().to(self.dtype).contiguous()
+        src_v = values.detach().to(self.dtype).contiguous()
         dst_k = self._k[:, :, self.length : self.length + n]
         dst_v = self._v[:, :, self.length : self.length + n]
 
         def store() -> None:
-            dst_k.copy_(src_k, non_blocking=True)
-            dst_v.copy_(src_v, non_blocking=True)
+            for dst, src in ((dst_k, src_k), (dst_v, src_v)):
+                for b in range(self.batch):
+                    for h in range(self.kv_heads):
+                        dst[b, h].copy_(src[b, h], non_blocking=True)
 
         # The write queue runs in order: waiting for the last write waits for every earlier one.
         self._written = self.engine.write(store, self.engine.compute_marker(), keepalive=(src_k, src_v))
