@@ -85,6 +85,6 @@ def test_bench_model_prints_and_writes_a_modelled_table(tmp_path, capsys):
     report = json.loads((tmp_path / "out" / "bench_model.json").read_text())
     assert report["meta"]["label"] == MODELLED
     assert {r["policy"] for r in report["table"]} == {"dense", "full", "infinigen"}
-    assert report["paper"]["infinigen_fraction"] == 0.1
+    assert report["paper"]["default_fraction"] == 0.1
     with pytest.raises(SystemExit, match="unknown hardware 'h999'"):
         main([*argv[:3], "h999", *argv[4:]])

@@ -46,6 +46,12 @@ PAPER = {
 }
 
 
+# The paper runs InfiniGen with alpha = 4 (its artifact's figure-14 script): what that threshold fetched
+# on this project's model at 2K tokens, measured by the sensitivity suite (docs/results.md).
+ALPHA4_FRACTION = 0.067
+ALPHA4_SOURCE = "alpha = 4, as the paper runs it: measured 6.7 % on SmolLM2 at 2K, eval sensitivity suite"
+
+
 def _measured_rows(path: str) -> list[dict]:
     return json.loads(Path(path).read_text())["rows"]
 
@@ -133,29 +139,34 @@ def validate(measured: list[dict], hw: Hardware) -> list[dict]:
 
 
 def paper_comparison(rows: list[dict]) -> dict:
+    """The paper's setting at the threshold the paper runs (alpha = 4: its measured fraction on this
+    project's model), and at this library's default (the bench's measured fraction), with the
+    speed-up over each FlexGen-based baseline and the sensitivity to the fraction."""
     hw, shape = HARDWARE[PAPER["hardware"]], MODELS[PAPER["model"]]
-    fraction, where = _fraction_at(rows, PAPER["prompt"])
-    work = Workload(fraction=fraction, source=where)
-    seconds = {
-        p: generation_seconds(hw, shape, p, PAPER["batch"], PAPER["prompt"], PAPER["new_tokens"], work)
-        for p in ("full", "int4", "h2o", "infinigen")
+    b, prompt, new = PAPER["batch"], PAPER["prompt"], PAPER["new_tokens"]
+    baselines = {
+        p: generation_seconds(hw, shape, p, b, prompt, new, Workload(fraction=1.0)) for p in ("full", "int4", "h2o")
     }
-    inf = seconds["infinigen"]
-    speedups = {p: s / inf for p, s in seconds.items() if p != "infinigen"}
-    smallest = min(speedups.values())
-    # The fraction is the one input not measured on the paper's model: how the answer moves with it.
-    sensitivity = {}
-    for f in (0.15, 0.10, 0.075, 0.05):
-        t = generation_seconds(hw, shape, "infinigen", PAPER["batch"], PAPER["prompt"], PAPER["new_tokens"],
-                               Workload(fraction=f))  # fmt: skip
-        sensitivity[f] = {p: s / t for p, s in seconds.items() if p != "infinigen"}
+
+    def speedups(fraction: float) -> tuple[float, dict]:
+        t = generation_seconds(hw, shape, "infinigen", b, prompt, new, Workload(fraction=fraction))
+        return t, {p: s / t for p, s in baselines.items()}
+
+    default_fraction, default_where = _fraction_at(rows, prompt)
+    seconds, over = speedups(ALPHA4_FRACTION)
+    default_seconds, default_over = speedups(default_fraction)
+    smallest = min(over.values())
     return {
-        "sensitivity_to_fraction": sensitivity,
         "setting": {k: v for k, v in PAPER.items() if not k.startswith("reported")},
-        "infinigen_fraction": fraction,
-        "fraction_source": where,
-        "latency_seconds": seconds,
-        "speedup_over": speedups,
+        "infinigen_fraction": ALPHA4_FRACTION,
+        "fraction_source": ALPHA4_SOURCE,
+        "latency_seconds": {**baselines, "infinigen": seconds},
+        "speedup_over": over,
+        "default_fraction": default_fraction,
+        "default_fraction_source": f"this library's default threshold (alpha = 5), {default_where}",
+        "default_latency_seconds": default_seconds,
+        "default_speedup_over": default_over,
+        "sensitivity_to_fraction": {f: speedups(f)[1] for f in (0.15, 0.10, 0.05, 0.03)},
         "modelled_min_speedup": smallest,
         "reported": PAPER["reported"],
         "reported_min_speedup": PAPER["reported_min_speedup"],
@@ -198,9 +209,13 @@ def run(args: argparse.Namespace) -> int:
         report["paper"] = paper
         text.append(f"\nThe paper's setting ({MODELLED}): {json.dumps(paper['setting'])}")
         text.append(f"InfiniGen fetch fraction {paper['infinigen_fraction']:.3f} ({paper['fraction_source']})")
-        for p, s in paper["latency_seconds"].items():
+        for p, sec in paper["latency_seconds"].items():
             sp = paper["speedup_over"].get(p)
-            text.append(f"  {p:>9}: {s:7.1f} s" + (f"   InfiniGen {sp:.2f}x faster" if sp else ""))
+            text.append(f"  {p:>9}: {sec:7.1f} s" + (f"   InfiniGen {sp:.2f}x faster" if sp else ""))
+        text.append(
+            f"at {paper['default_fraction']:.3f} ({paper['default_fraction_source']}): "
+            + ", ".join(f"{v:.2f}x over {p}" for p, v in paper["default_speedup_over"].items())
+        )
         text.append(f"reported: {paper['reported']}")
         for f, sp in paper["sensitivity_to_fraction"].items():
             text.append(f"  at fraction {f:.3f}: " + ", ".join(f"{v:.2f}x over {p}" for p, v in sp.items()))
