@@ -41,7 +41,8 @@ class Hardware:
     spec_on_compute: whether InfiniGen's speculation runs on the compute device (a GPU) or on a
     prefetch thread next to the transfer (this project's CPU path); offload_flops /
     offload_mem_bw: what the compute gets under an offloading policy when it gives up a core to
-    the prefetch and I/O threads (CPU; None: unchanged)."""
+    the prefetch and I/O threads (CPU; None: unchanged); block_bytes: the read unit of a block
+    device (a scattered fetch then moves whole blocks: the measured amplification applies)."""
 
     name: str
     description: str
@@ -56,6 +57,7 @@ class Hardware:
     spec_on_compute: bool = True
     offload_flops: float | None = None
     offload_mem_bw: float | None = None
+    block_bytes: int | None = None
 
     def overhead(self, policy: str) -> float:
         table = self.overhead_s or {}
@@ -162,6 +164,7 @@ HARDWARE: dict[str, Hardware] = {
             ),
             link_bw=0.9 * 7 * GB,  # sequential read (full fetch)
             gather_bw=0.9 * 4.0 * GB,  # 4 KiB random reads at high queue depth, x amplification
+            block_bytes=4096,
         ),
     )  # fmt: skip
 }

@@ -56,17 +56,36 @@ def _measured_rows(path: str) -> list[dict]:
     return json.loads(Path(path).read_text())["rows"]
 
 
-def _fraction_at(rows: list[dict], context: int) -> tuple[float, str]:
-    """InfiniGen's measured fetch fraction at the measured context nearest `context` (on a log
-    scale), batch 1; beyond the longest measured context, held at its value (said so)."""
+def _nearest_row(rows: list[dict], context: int) -> dict:
+    """The batch-1 InfiniGen row measured at the context nearest `context` (on a log scale)."""
     import math
 
     inf = [r for r in rows if r["policy"] == "infinigen" and r["batch"] == 1 and r.get("fetched_fraction")]
     if not inf:
         raise SystemExit("the --measured JSON has no InfiniGen row at batch 1")
-    row = min(inf, key=lambda r: abs(math.log(r["context"] / context)))
+    return min(inf, key=lambda r: abs(math.log(r["context"] / context)))
+
+
+def _fraction_at(rows: list[dict], context: int) -> tuple[float, str]:
+    """InfiniGen's measured fetch fraction at the nearest measured context; beyond the longest
+    measured context, held at its value (said so)."""
+    row = _nearest_row(rows, context)
     held = " (held beyond it)" if context > row["context"] * 1.5 else ""
     return row["fetched_fraction"], f"measured at {row['context']} tokens{held}"
+
+
+def _workload(hw: Hardware, rows: list[dict], context: int) -> Workload:
+    """What InfiniGen fetches on `hw`: the measured fraction; on a block device also the measured
+    read amplification of the disk tier (whole blocks, less what its RAM cache served), no more
+    than a block holds rows of the model's head size (taken here for 512-byte rows)."""
+    from infinigen.bench.calibrate import workload_from_row
+
+    fraction, where = _fraction_at(rows, context)
+    if hw.block_bytes is None:
+        return Workload(fraction=fraction, source=where)
+    measured = workload_from_row(_nearest_row(rows, context), MODELS["smollm2-135m"])
+    ampl = min(measured.amplification, hw.block_bytes / 512)
+    return Workload(fraction=fraction, amplification=ampl, source=f"{where}; amplification {ampl:.2f} measured")
 
 
 def table(args, rows: list[dict], hardware: list[Hardware]) -> list[dict]:
@@ -75,8 +94,8 @@ def table(args, rows: list[dict], hardware: list[Hardware]) -> list[dict]:
         for name in args.models:
             shape = MODELS[name]
             for ctx in args.contexts:
-                fraction, where = _fraction_at(rows, ctx)
-                work = Workload(fraction=fraction, source=where)
+                work = _workload(hw, rows, ctx)
+                where = work.source
                 for b in args.batches:
                     preds = {p: predict(hw, shape, p, ctx, b, work) for p in args.policies}
                     full = preds.get("full")
