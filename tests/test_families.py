@@ -159,3 +159,19 @@ def test_unsupported_models_say_what_is_supported():
     )  # fmt: skip
     with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
         get_adapter(capped)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
+def test_chunked_prefill_is_the_same_prefill(name):
+    """The evaluator and the benchmark prefill long prompts in chunks: same KV, same next token."""
+    from infinigen.prefill import chunked_prefill
+
+    model = tiny_variant(name)
+    ids = torch.randint(3, VOCAB, (1, 3 * WINDOW + 5), generator=torch.Generator().manual_seed(4))
+    whole, parts = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        ref = model(input_ids=ids, past_key_values=whole, use_cache=True).logits[:, -1]
+    got = chunked_prefill(model, ids, parts, chunk=WINDOW - 3).logits[:, -1]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(parts.layers, whole.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)

@@ -33,6 +33,7 @@ from infinigen.attention import dense_attention
 from infinigen.cache import SessionCache
 from infinigen.config import InfiniGenConfig
 from infinigen.layers import LocalLayer, Positions, SessionLayer
+from infinigen.prefill import chunked_prefill
 from infinigen.select import Selector
 from infinigen.speculate import attention_column_sums, attention_recall, selection_mask
 from infinigen.storage import roundtrip, row_bytes
@@ -281,12 +282,12 @@ class Evaluator:
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> Prefix:
-        """Dense prefill of ids [B, T0]."""
+        """Dense prefill of ids [B, T0] (in chunks, see `infinigen.prefill`)."""
         if ids.dim() == 1:
             ids = ids[None]
         _ = self.session  # attached before the forward, so that every run sees the same model
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = chunked_prefill(self.model, ids, cache, logits_to_keep=1)
         return Prefix(ids, cache, out.logits[:, -1].float())
 
     @torch.no_grad()
