@@ -175,3 +175,35 @@ def test_chunked_prefill_is_the_same_prefill(name):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(parts.layers, whole.layers):
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_prefills_a_long_prompt_in_chunks(monkeypatch):
+    """`infinigen generate` prefills a prompt longer than PREFILL_CHUNK in chunks through the
+    session's cache, then decodes from it: the same tokens as one prefill forward."""
+    import infinigen.generation as generation
+    from conftest import _byte_tokenizer
+
+    tok = _byte_tokenizer()
+    torch.manual_seed(0)
+    cfg = _gemma_config(vocab_size=len(tok))
+    model = Gemma3ForCausalLM(cfg).eval()
+    prompt = "the quick brown fox jumps over the lazy dog " * 2
+    config = InfiniGenConfig(policy="full")
+    once = generation.run_generation(model, tok, [prompt], config, max_new_tokens=6, progress=False)
+    calls = []
+    real = generation.chunked_prefill
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", WINDOW - 3)
+    monkeypatch.setattr(
+        generation, "chunked_prefill", lambda *a, **k: calls.append(1) or real(*a, chunk=WINDOW - 3, **k)
+    )
+    chunked = generation.run_generation(model, tok, [prompt], config, max_new_tokens=6, progress=False)
+    assert calls and chunked.token_ids == once.token_ids
+
+
+def _gemma_config(**changes):
+    from conftest import _variant_config
+
+    cfg = _variant_config("gemma3")
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    return cfg
