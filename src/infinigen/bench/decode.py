@@ -414,7 +414,9 @@ def run_parent(args: argparse.Namespace) -> int:
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     ap = ap or argparse.ArgumentParser(prog="infinigen bench decode", description=__doc__)
-    ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--model", default=None, help="as for generate: smollm2 (default), gemma3-270m, a folder or a .gguf"
+    )
     ap.add_argument("--contexts", default="1024,2048,4096,8000", help="comma-separated context lengths")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument(
