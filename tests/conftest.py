@@ -61,6 +61,79 @@ def tiny_model(family: str, seed: int = 0):
 
 FAMILIES = ["llama", "qwen2", "mistral", "opt"]
 
+WINDOW = 8  # the sliding window of the tiny hybrid / sliding configs: shorter than the test contexts
+_HYBRID = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def _variant_config(name: str):
+    """The config of a tiny random model of today's families and of odd shapes (see VARIANTS)."""
+    from transformers import Gemma3TextConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, max_position_embeddings=256
+    )
+    gqa = dict(num_attention_heads=4, num_key_value_heads=2)
+    long_rope = dict(max_position_embeddings=256, **{k: v for k, v in common.items() if k != "max_position_embeddings"})
+    if name == "llama3-rope":
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=16)  # fmt: skip
+        return LlamaConfig(rope_parameters=rope, **gqa, **long_rope)
+    if name == "llama-yarn":
+        rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
+        return LlamaConfig(rope_parameters=rope, **gqa, **long_rope)
+    if name == "llama-dynamic":  # max_position_embeddings below the test contexts: the RoPE is rescaled
+        rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)
+        return LlamaConfig(rope_parameters=rope, **gqa, **dict(common, max_position_embeddings=16))
+    if name == "qwen2-bias":
+        return Qwen2Config(**gqa, **common)  # q/k/v projections with biases
+    if name == "qwen3":
+        return Qwen3Config(head_dim=16, **gqa, **common)  # q/k RMS norms before RoPE
+    if name == "mistral":
+        return MistralConfig(sliding_window=None, num_attention_heads=4, num_key_value_heads=1, **common)
+    if name == "mistral-sliding":  # every layer sliding: nothing grows with the context, nothing is offloaded
+        return MistralConfig(sliding_window=WINDOW, **gqa, **common)
+    if name == "qwen2-hybrid":  # sliding and full layers alternating, as a config's `layer_types` says
+        types = ["sliding_attention", "full_attention"] * 2
+        return Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, layer_types=types, **gqa, **common)
+    if name == "gemma3":
+        return Gemma3TextConfig(
+            head_dim=24, query_pre_attn_scalar=20, sliding_window=WINDOW, layer_types=_HYBRID,
+            **gqa, **dict(common, num_hidden_layers=len(_HYBRID)),
+        )  # fmt: skip
+    if name == "odd-llama":  # five query heads, one KV head, head_dim 14 (not a power of two)
+        return LlamaConfig(num_attention_heads=5, num_key_value_heads=1, head_dim=14, **dict(common, hidden_size=70))
+    if name == "odd-qwen3":  # six query heads over three KV heads, head_dim 12
+        return Qwen3Config(num_attention_heads=6, num_key_value_heads=3, head_dim=12, **common)
+    if name == "odd-opt":  # five heads of 12
+        return OPTConfig(
+            ffn_dim=128, num_attention_heads=5, word_embed_proj_dim=60, enable_bias=True,
+            **dict(common, hidden_size=60, intermediate_size=None),
+        )  # fmt: skip
+    raise ValueError(name)
+
+
+# Today's families and odd shapes, each a tiny random config (`tiny_variant`).
+VARIANTS = [
+    "llama3-rope", "llama-yarn", "llama-dynamic", "qwen2-bias", "qwen3", "mistral", "mistral-sliding",
+    "qwen2-hybrid", "gemma3", "odd-llama", "odd-qwen3", "odd-opt",
+]  # fmt: skip
+
+
+def tiny_variant(name: str, seed: int = 0):
+    """A tiny random model of `name` (see VARIANTS), q/k sharpened as in `tiny_model`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = _variant_config(name)
+    if getattr(cfg, "intermediate_size", 0) is None:
+        del cfg.intermediate_size
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(6.0)
+    return model
+
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):

@@ -10,7 +10,7 @@ from infinigen import ContextTooLongError, InfiniGenConfig, UnsupportedModelErro
 
 def test_unsupported_architecture_names_the_supported_ones():
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)).eval()
-    with pytest.raises(UnsupportedModelError, match="gpt2.*supported: llama, mistral, opt, qwen2"):
+    with pytest.raises(UnsupportedModelError, match="gpt2.*supported: gemma3_text, llama, mistral, opt, qwen2, qwen3"):
         attach(model, InfiniGenConfig(), progress=False)
     assert model.config._attn_implementation != "infinigen" and "generate" not in vars(model)
 

@@ -12,7 +12,8 @@ implementation and `generate`, and the thread count.
 
 The pre-hook is how the session drives a cache: before layer i's attention it tells the cache
 which of the new tokens are real (layer 0), hands layer i its own input and layer i+1 layer i's
-input (so that layer i+1's transfer is issued while layer i computes), and passes layer i's
+input with layer i+1's rotary embedding (so that layer i+1's transfer is issued while layer i
+computes), and passes layer i's
 cache object to the attention function. State lives in the cache, never on the model.
 """
 
@@ -119,7 +120,10 @@ class Session:
             self._set_threads(cache, x.shape[1])
         cache.layers[layer].own_input(x, pe)
         if layer + 1 < len(cache.layers):
-            cache.layers[layer + 1].previous_input(x, pe)
+            # The next layer's query must be rotated as that layer rotates it (Gemma-3's global
+            # layers use another RoPE than the local ones before them): the adapter says how.
+            pe_next = self.adapter.rope_for(layer + 1, layer, pe, kwargs.get("position_ids"), x)
+            cache.layers[layer + 1].previous_input(x, pe_next)
         return args, {**kwargs, "infinigen_layer": cache.layers[layer]}
 
     def _set_threads(self, cache: SessionCache, new_tokens: int) -> None:
@@ -204,12 +208,18 @@ def attach(
 
 def new_token_validity(attention_mask: torch.Tensor | None, x: torch.Tensor, past: int) -> torch.Tensor:
     """[B, q] which of a forward's q new tokens are real, read from the 4D attention mask the
-    model built (its last query row sees every real position); all real without a mask."""
+    model built: a real token sees itself, padding is seen by no one. Each new token's own
+    column is read (its diagonal): the mask's last q columns are the new tokens whether the
+    mask covers the whole context or, for a sliding-window layer, only its window, and a
+    token always lies in its own window. All real without a mask."""
     b, q = x.shape[0], x.shape[1]
     if attention_mask is None or attention_mask.dim() != 4:
         return torch.ones(b, q, dtype=torch.bool, device=x.device)
-    row = attention_mask[:, 0, -1, past : past + q]
-    valid = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    if attention_mask.shape[2] == q and attention_mask.shape[3] >= q:
+        own = torch.diagonal(attention_mask[:, 0, :, attention_mask.shape[3] - q :], dim1=-2, dim2=-1)
+    else:  # rows broadcast: the last one sees every real position of the context
+        own = attention_mask[:, 0, -1, past : past + q]
+    valid = own if own.dtype == torch.bool else own > torch.finfo(own.dtype).min / 2
     return valid.expand(b, -1) if valid.shape[0] != b else valid
 
 

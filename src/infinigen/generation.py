@@ -16,6 +16,7 @@ from infinigen.cache import ContextTooLongError
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InputError
 from infinigen.models import get_adapter
+from infinigen.prefill import PREFILL_CHUNK, chunked_prefill
 
 
 class _StepClock(StoppingCriteria):
@@ -104,6 +105,9 @@ def run_generation(
         # The tiers and their files are released however generation ends (Ctrl-C, SIGTERM included).
         with session.new_cache(max_length=prompt_tokens + max_new_tokens) as cache:
             start = time.perf_counter()
+            if prompt_tokens > PREFILL_CHUNK and bool(enc.attention_mask.all()):
+                # A long prompt (no padding) is prefilled in chunks; generate goes on from the cache.
+                chunked_prefill(model, enc.input_ids[:, :-1], cache, logits_to_keep=1)
             out = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,

@@ -1,6 +1,8 @@
 """Per-layer cache objects, in the style of transformers' own cache layers: `update` does the work.
 
 `ComputeLayer`  the whole KV of a layer stays with the compute, in a preallocated buffer.
+`LocalLayer`    a sliding-window layer: only the last `window` - 1 positions stay, with the
+                 compute (transformers' own sliding-layer semantics, so its masks apply).
 `OffloadedLayer` the whole KV lives in a slow tier; each decode step reads back every row
                  (no selector) or the rows its selector chooses, issued one layer ahead when the
                  selector can choose from the previous layer's input, so the transfer overlaps
@@ -178,6 +180,68 @@ class ComputeLayer(SessionLayer):
 
     def close(self) -> None:
         self._k = self._v = self.keys = self.values = None
+
+
+class LocalLayer(SessionLayer):
+    """A sliding-window (local) layer: it keeps the last `window` - 1 positions with the compute
+    and returns them followed by the new ones, exactly as transformers' `DynamicSlidingWindowLayer`
+    does, and reports the same mask sizes, so that the model's own sliding-window mask decides
+    what each query sees. Its KV is bounded by the window whatever the context: never offloaded,
+    never speculated.
+
+    keys, values: KV it starts from (an evaluation's prefix, already trimmed to its window),
+    `length` positions long in all."""
+
+    role = "local"
+    is_sliding = True
+
+    def __init__(
+        self,
+        index: int,
+        window: int,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        length: int = 0,
+    ) -> None:
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"a local layer needs a window of at least 1 position, got {window}")
+        self.index, self.window, self.length = index, window, length
+        self.stats = LayerStats()
+        self.peak_bytes = 0  # the most KV bytes it held after an update
+        if keys is not None:
+            self.lazy_initialization(keys, values)
+            self.keys, self.values = keys, values
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        full_k = torch.cat([self.keys, key_states], dim=-2)
+        full_v = torch.cat([self.values, value_states], dim=-2)
+        start = max(full_k.shape[2] - (self.window - 1), 0)
+        self.keys, self.values = full_k[:, :, start:], full_v[:, :, start:]
+        if key_states.shape[2] > 1:  # a prefill: keep the window, not a view of the whole prompt
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+        self.length += key_states.shape[2]
+        self.peak_bytes = max(self.peak_bytes, 2 * self.keys.numel() * self.keys.element_size())
+        return full_k, full_v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv length, kv offset) of what `update` will return, as the sliding mask needs them."""
+        offset = max(self.length - self.window + 1, 0)
+        return min(self.length, self.window - 1) + query_length, offset
+
+    def get_max_length(self) -> int:
+        return self.window
+
+    def close(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
 
 
 class RowBuffers:

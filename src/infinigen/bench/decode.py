@@ -34,13 +34,16 @@ BENCH_DEFAULTS = {"tier": "disk", "kv_dtype": "float16"}
 # ---------------------------------------------------------------------- prefill (parent)
 @torch.no_grad()
 def save_prefill(model, ids: torch.Tensor, path: Path, kv_dtype: torch.dtype) -> None:
-    """Prefill `ids` [1, T] with the plain model; save every layer's KV and the next token."""
+    """Prefill `ids` [1, T] with the plain model (in chunks); save every layer's KV (a
+    sliding-window layer's: its window), the context and the next token."""
     from safetensors.torch import save_file
     from transformers import DynamicCache
 
+    from infinigen.prefill import chunked_prefill
+
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    tensors = {"next_token": out.logits[:, -1].argmax(-1)}
+    out = chunked_prefill(model, ids, cache, logits_to_keep=1)
+    tensors = {"next_token": out.logits[:, -1].argmax(-1), "context": torch.tensor(ids.shape[1])}
     for i, layer in enumerate(cache.layers):
         tensors[f"layer.{i}.k"] = layer.keys.to(kv_dtype).contiguous()
         tensors[f"layer.{i}.v"] = layer.values.to(kv_dtype).contiguous()
@@ -108,7 +111,7 @@ def run_child(args: argparse.Namespace) -> dict:
     adapter = get_adapter(model)
     b = args.batch
     with safe_open(args.kv_file, framework="pt") as f:
-        context = f.get_slice("layer.0.k").get_shape()[2]
+        context = int(f.get_tensor("context"))
     with contextlib.ExitStack() as stack:
         if hf_dense:
             cache = _HFDense(model)
@@ -119,8 +122,8 @@ def run_child(args: argparse.Namespace) -> dict:
             nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous().to(device)
             # Stream the saved prefill into the cache layer by layer, as a prefill would.
             for i in range(adapter.num_layers):
-                k = f.get_tensor(f"layer.{i}.k").to(device, torch.float32).expand(b, -1, -1, -1).contiguous()
-                v = f.get_tensor(f"layer.{i}.v").to(device, torch.float32).expand(b, -1, -1, -1).contiguous()
+                k = _whole_context(f.get_tensor(f"layer.{i}.k"), context).to(device).expand(b, -1, -1, -1).contiguous()
+                v = _whole_context(f.get_tensor(f"layer.{i}.v"), context).to(device).expand(b, -1, -1, -1).contiguous()
                 cache.update(k, v, i)
                 del k, v
         past = cache.cache if hf_dense else cache
@@ -152,7 +155,13 @@ def run_child(args: argparse.Namespace) -> dict:
     decode = sum(warm)
     steps = len(step_times)
     itemsize = torch.empty((), dtype=cfg.storage_dtype() or torch.float32).element_size()
-    kv_bytes = adapter.num_layers * 2 * b * adapter.num_kv_heads * context * adapter.head_dim * itemsize
+    global_layers = len(adapter.global_layers)  # local (sliding-window) layers hold only their window
+    kv_bytes = global_layers * 2 * b * adapter.num_kv_heads * context * adapter.head_dim * itemsize
+    local_bytes = sum(
+        2 * b * adapter.num_kv_heads * min(context + steps, adapter.window(i) - 1) * adapter.head_dim * 4
+        for i in range(adapter.num_layers)
+        if adapter.is_local(i)
+    )  # with the compute, in fp32 (what every policy keeps of a local layer)
     dense = hf_dense or cfg.spec.placement == "compute"
     tokens_total = steps * b
     return {
@@ -175,6 +184,8 @@ def run_child(args: argparse.Namespace) -> dict:
         "peak_rss_bytes": peak,
         "rss_after_model_bytes": rss_model,
         "kv_cache_bytes": kv_bytes,
+        "local_kv_bytes": local_bytes,
+        "layers_offloaded": 0 if dense else global_layers,
         "tier": "compute" if dense else cfg.tier,
         "config": None if hf_dense else cfg.to_dict(),
         "profile": _profile_top(profiler, args.profile) if profiler is not None else None,
@@ -191,6 +202,19 @@ def _profile_top(profiler: cProfile.Profile, lines: int) -> str:
     return text[start:].rstrip() if start >= 0 else text.rstrip()
 
 
+def _whole_context(saved: torch.Tensor, context: int) -> torch.Tensor:
+    """A layer's saved KV [1, Hkv, n, d] in fp32, as `context` positions: a sliding-window
+    layer saved only its window, placed at the end (the positions before it are outside every
+    later window, and zero)."""
+    saved = saved.to(torch.float32)
+    n = saved.shape[2]
+    if n == context:
+        return saved
+    whole = saved.new_zeros(*saved.shape[:2], context, saved.shape[3])
+    whole[:, :, context - n :] = saved
+    return whole
+
+
 # ---------------------------------------------------------------------- parent
 def _prompt_ids(tok, context: int) -> torch.Tensor:
     from infinigen.skew import calibration_text
@@ -204,7 +228,7 @@ def _prompt_ids(tok, context: int) -> torch.Tensor:
 def _fmt_table(rows: list[dict]) -> str:
     head = (
         f"{'policy':>10} {'ctx':>5} {'B':>2} {'tok/s':>8} {'x full':>7} {'x dense':>8} {'tier MiB':>8} {'cache MiB':>9} "
-        f"{'reads':>6} {'ampl':>5} {'fetched':>8} {'spec ms':>8} {'wait %':>7} {'peak RSS':>9}"
+        f"{'reads':>6} {'ampl':>5} {'fetched':>8} {'spec ms':>8} {'wait %':>7} {'peak RSS':>9} {'local KV':>9}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -215,7 +239,8 @@ def _fmt_table(rows: list[dict]) -> str:
             f"{r['policy']:>10} {r['context']:>5} {r['batch']:>2} {r['tokens_per_s']:>8.2f} "
             f"{r.get('x_full', float('nan')):>7.2f} {r.get('x_dense', float('nan')):>8.2f} "
             f"{disk:>8.2f} {r['bytes_from_ram_per_token'] / 2**20:>9.2f} {r['reads_per_token']:>6.0f} {amp:>5} "
-            f"{frac:>8} {r['speculation_ms_per_step']:>8.1f} {r['wait_pct']:>7.1f} {r['peak_rss_bytes'] / 2**20:>7.0f}Mi"
+            f"{frac:>8} {r['speculation_ms_per_step']:>8.1f} {r['wait_pct']:>7.1f} {r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
+            f"{r.get('local_kv_bytes', 0) / 2**20:>7.1f}Mi"
         )
     return "\n".join(out)
 
@@ -364,7 +389,7 @@ def run_parent(args: argparse.Namespace) -> int:
         "faster of dense (preallocated) and dense-hf (DynamicCache). Per token: 'tier MiB' read from the slow "
         "tier's medium (the disk; host RAM for the ram tier), read amplification included; 'cache MiB' served "
         "from RAM in front of the disk (unwritten tail blocks, block cache); 'reads' disk read requests. 'spec ms': selection time per step, on the prefetch thread; "
-        "'wait %': share of the step the compute waited on transfers. Measured on this machine, not modelled."
+        "'wait %': share of the step the compute waited on transfers; 'local KV': what the sliding-window layers keep with the compute (never offloaded, not in the tier columns). Measured on this machine, not modelled."
     )
     print(table)
     print(note)
@@ -396,7 +421,9 @@ def run_parent(args: argparse.Namespace) -> int:
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     ap = ap or argparse.ArgumentParser(prog="infinigen bench decode", description=__doc__)
-    ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--model", default=None, help="as for generate: smollm2 (default), gemma3-270m, a folder or a .gguf"
+    )
     ap.add_argument("--device", default="cpu", help="where the model computes: cpu, or cuda for the pinned tier")
     ap.add_argument("--contexts", default="1024,2048,4096,8000", help="comma-separated context lengths")
     ap.add_argument("--batches", default="1,4")

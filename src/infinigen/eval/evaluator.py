@@ -9,7 +9,8 @@ from the state after s - 1 steps, `on_append` of s's key, `observe` of s's weigh
 mask row by row, and attends with the stored KV as the tier would return it (rounded to the
 storage dtype, or int4-quantized; the current token's own K and V are exact, as in decode).
 The layer roles, storage rounding and row bytes come from the config and storage, exactly as the
-cache uses them. `tests/test_forced.py` checks logits, fractions, bytes and recall against the
+cache uses them; a local (sliding-window) layer is the cache's own `LocalLayer`, started from
+the prefix's window. `tests/test_forced.py` checks logits, fractions, bytes and recall against the
 step-by-step decode path.
 
 The prefill is dense for every policy (InfiniGen's prefill is), so one prefill per text serves
@@ -31,7 +32,8 @@ from infinigen.attach import Session, attach
 from infinigen.attention import dense_attention
 from infinigen.cache import SessionCache
 from infinigen.config import InfiniGenConfig
-from infinigen.layers import Positions, SessionLayer
+from infinigen.layers import LocalLayer, Positions, SessionLayer
+from infinigen.prefill import chunked_prefill
 from infinigen.select import Selector
 from infinigen.speculate import attention_column_sums, attention_recall, selection_mask
 from infinigen.storage import roundtrip, row_bytes
@@ -280,12 +282,12 @@ class Evaluator:
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> Prefix:
-        """Dense prefill of ids [B, T0]."""
+        """Dense prefill of ids [B, T0] (in chunks, see `infinigen.prefill`)."""
         if ids.dim() == 1:
             ids = ids[None]
         _ = self.session  # attached before the forward, so that every run sees the same model
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = chunked_prefill(self.model, ids, cache, logits_to_keep=1)
         return Prefix(ids, cache, out.logits[:, -1].float())
 
     @torch.no_grad()
@@ -313,7 +315,10 @@ class Evaluator:
         record = _Record(measure_recall=measure_recall and selector is not None)
         layers = []
         for i in range(adapter.num_layers):
-            role = config.layer_role(i)
+            role = config.layer_role(i, local=adapter.is_local(i))
+            if role == "local":  # its window of the prefix, then the chunk, under the model's sliding mask
+                layers.append(_local_layer(prefix, i, adapter.window(i)))
+                continue
             state = None
             if role == "select":
                 state = selector.new_state(i)
@@ -333,3 +338,11 @@ class Evaluator:
             steps=chunk.shape[1],
             policy=config.policy,
         )
+
+
+def _local_layer(prefix: Prefix, index: int, window: int) -> LocalLayer:
+    """A local layer holding the last `window` - 1 positions of the prefix, as decoding would."""
+    stored = prefix.cache.layers[index]
+    keep = min(prefix.length, window - 1)
+    start = stored.keys.shape[2] - keep
+    return LocalLayer(index, window, stored.keys[:, :, start:], stored.values[:, :, start:], length=prefix.length)

@@ -74,9 +74,10 @@ def policy_configs(settings: EvalSettings) -> list[tuple[str, float | None, Infi
 
 
 def full_fetch_bytes_per_token(model_adapter, context: float, kv_dtype: str) -> float:
-    """What fetching every layer's whole KV costs per token at a mean `context` (the bytes axis)."""
+    """What fetching every offloaded layer's whole KV costs per token at a mean `context` (the
+    bytes axis); local (sliding-window) layers are never offloaded."""
     per_row = row_bytes("native", model_adapter.head_dim, InfiniGenConfig(kv_dtype=kv_dtype).storage_dtype())
-    return model_adapter.num_layers * model_adapter.num_kv_heads * context * per_row
+    return len(model_adapter.global_layers) * model_adapter.num_kv_heads * context * per_row
 
 
 def _row(result: ForcedResult, ref: torch.Tensor | None, targets: torch.Tensor | None, full_bytes: float) -> dict:

@@ -1,4 +1,5 @@
-"""What the method needs to know about a model family: where q/k, RoPE and the norm live.
+"""What the method needs to know about a model family: where q/k, RoPE and the norm live, and
+which layers attend over a sliding window.
 
 An adapter never changes the model except through ``fold_skew`` (models without RoPE), and
 only when `infinigen.attach` asks it to.
@@ -12,6 +13,9 @@ import torch
 from torch import nn
 
 from infinigen.errors import InfiniGenError
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
 
 
 class UnsupportedModelError(InfiniGenError, ValueError):
@@ -31,9 +35,54 @@ class ModelAdapter(ABC):
         self.num_heads: int = self.config.num_attention_heads
         self.num_kv_heads: int = getattr(self.config, "num_key_value_heads", None) or self.num_heads
         self.head_dim: int = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads
-        self.max_positions: int = getattr(self.config, "max_position_embeddings", 2048)
-        self.sliding_window: int | None = getattr(self.config, "sliding_window", None)
+        self.max_positions: int = self._max_positions()
+        self.layer_types: list[str] = self._layer_types()
 
+    def _max_positions(self) -> int:
+        """The context the model is meant for: `max_position_embeddings`, or `factor` times that
+        under ``dynamic`` RoPE scaling, which exists to stretch the RoPE past it (the model
+        recomputes its frequencies from the length it is run at)."""
+        positions = int(getattr(self.config, "max_position_embeddings", 2048))
+        rope = getattr(self.config, "rope_parameters", None) or getattr(self.config, "rope_scaling", None) or {}
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+            positions = int(positions * float(rope.get("factor", 1.0)))
+        return positions
+
+    def _layer_types(self) -> list[str]:
+        """Each layer's attention: ``full_attention`` or ``sliding_attention`` (over the last
+        `window` positions). As transformers reads a config: its `layer_types` when it has them
+        (Gemma-3, Qwen2/3 with sliding layers), else every layer sliding when the config has a
+        `sliding_window` (Mistral), else every layer full."""
+        types = getattr(self.config, "layer_types", None)
+        if types is None:
+            sliding = getattr(self.config, "sliding_window", None) is not None
+            types = [SLIDING if sliding else FULL] * self.num_layers
+        types = list(types)[: self.num_layers]
+        odd = sorted(set(types) - set(LAYER_TYPES))
+        if odd:
+            raise UnsupportedModelError(
+                f"{self.config.model_type}: attention of type {odd[0]!r} is not supported; supported: full "
+                "attention, sliding-window attention, or a mix of the two"
+            )
+        if SLIDING in types and not getattr(self.config, "sliding_window", None):
+            raise UnsupportedModelError(f"{self.config.model_type}: sliding layers without a sliding_window size")
+        return types
+
+    # ------------------------------------------------------------------ layer kinds
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends over a sliding window only (its KV stays bounded, with the compute)."""
+        return self.layer_types[layer] == SLIDING
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a local layer (positions a query sees, itself included); None for a full one."""
+        return int(self.config.sliding_window) if self.is_local(layer) else None
+
+    @property
+    def global_layers(self) -> list[int]:
+        """The layers with full attention: the only ones whose KV grows with the context."""
+        return [i for i in range(self.num_layers) if not self.is_local(i)]
+
+    # ------------------------------------------------------------------ attention internals
     def attention_modules(self) -> list[nn.Module]:
         """The attention module of every decoder layer, in order (found once: the speculation
         asks for one every layer of every step)."""
@@ -48,11 +97,18 @@ class ModelAdapter(ABC):
     @abstractmethod
     def queries(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
         """Queries of `layer` for its normalized attention input x [B, T, D], as they enter
-        the dot product (post-RoPE) but without the 1/sqrt(d) scaling: [B, H, T, d]."""
+        the dot product (post-RoPE, with `layer`'s own rotary embedding, see `rope_for`) but
+        without the attention scaling: [B, H, T, d]."""
 
     @abstractmethod
     def keys(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
         """Keys of `layer` as the cache stores them (post-RoPE): [B, Hkv, T, d]."""
+
+    def rope_for(self, layer: int, source: int, position_embeddings, position_ids, x: torch.Tensor):
+        """The rotary embedding (cos, sin) that `layer` uses for the positions whose embedding
+        `source` was handed (`position_embeddings`, at `position_ids`): the same one for
+        families whose layers share a RoPE; see Gemma-3 for one whose layers do not."""
+        return position_embeddings
 
     def scaling(self, layer: int) -> float:
         return self.head_dim**-0.5

@@ -1,4 +1,9 @@
-"""Llama-like families (Llama, Qwen2, Mistral): pre-norm, GQA, RoPE between projection and dot."""
+"""Llama-like families (Llama, Qwen2, Qwen3, Mistral): pre-norm, GQA, RoPE between projection and dot.
+
+The rotary embedding comes from the model itself (the cos/sin its layers are handed), so RoPE
+scaling of any type (Llama-3's ``llama3``, ``yarn``, ``dynamic``, ...) is whatever the model
+computes; Qwen3's per-head q/k RMS norms sit between projection and RoPE; Qwen2's q/k biases are
+in the projections."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ class OPTAdapter(ModelAdapter):
                 "OPT with post-attention layer norm (opt-350m) is not supported: the attention input "
                 "of the next layer is not the normalized residual stream"
             )
-        self.sliding_window = None
 
     def find_attention_modules(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.model.model.decoder.layers]

@@ -8,6 +8,7 @@ The capture observes the model through forward pre-hooks that are removed before
 
 from __future__ import annotations
 
+import contextlib
 import math
 from importlib import resources
 
@@ -69,12 +70,35 @@ def collect_qk(model: nn.Module, adapter: ModelAdapter, input_ids: torch.Tensor,
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         device = next(model.parameters()).device
-        model(input_ids=input_ids.to(device), use_cache=False, logits_to_keep=1)
+        with rope_state_kept(model):
+            model(input_ids=input_ids.to(device), use_cache=False, logits_to_keep=1)
     finally:
         for h in handles:
             h.remove()
         bar.close()
     return qs, ks
+
+
+@contextlib.contextmanager
+def rope_state_kept(model: nn.Module):
+    """Run the model without changing its rotary embeddings' state: ``dynamic`` (and
+    ``longrope``) RoPE recompute their frequencies from the longest sequence seen so far and
+    keep them, so a calibration run longer than the text decoded next would change how that
+    text is decoded."""
+    saved = []
+    for module in model.modules():
+        if hasattr(module, "original_max_seq_len"):  # transformers' rotary embedding modules
+            attrs = {k: v for k, v in vars(module).items() if k not in ("_buffers", "_parameters", "_modules")}
+            saved.append((module, attrs, {k: None if b is None else b.clone() for k, b in module._buffers.items()}))
+    try:
+        yield
+    finally:
+        for module, attrs, buffers in saved:
+            for k in [k for k in vars(module) if k not in attrs and k not in ("_buffers", "_parameters", "_modules")]:
+                delattr(module, k)
+            module.__dict__.update(attrs)
+            module._buffers.clear()
+            module._buffers.update(buffers)
 
 
 def calibrate(

@@ -1,0 +1,209 @@
+"""Today's families and odd shapes: Llama-3 RoPE scaling (llama3 / yarn / dynamic), Qwen2 biases,
+Qwen3 q/k norms, Mistral (with and without a sliding window), hybrid sliding / global models
+(Qwen2 `layer_types`, Gemma-3) and odd head shapes, each a tiny random config (`tiny_variant`).
+
+The reference is always the unmodified model with transformers' own cache: full fetch must
+reproduce it exactly (tokens, and logits at fp32 tolerance), with contexts longer than the
+sliding window, and InfiniGen must run on each (select, fetch less, measure recall)."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+from conftest import VARIANTS, VOCAB, WINDOW, left_padded_batch, tiny_variant
+from infinigen import InfiniGenConfig, attach
+from infinigen.eval.evaluator import Evaluator
+from infinigen.eval.stepwise import forced_logits
+from infinigen.models import UnsupportedModelError, get_adapter
+
+FETCH_ALL = InfiniGenConfig(alpha=math.inf, budget=1.0, calibration_tokens=64)
+SPARSE = InfiniGenConfig(alpha=math.inf, budget=0.3, calibration_tokens=64, measure_recall=True)
+HYBRID = ["qwen2-hybrid", "gemma3", "mistral-sliding"]
+
+
+def _generate(model, ids, mask, cache, new=8):
+    return model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, past_key_values=cache,
+        output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+    )  # fmt: skip
+
+
+def _batch():
+    """Two left-padded rows of 24 positions (three times the sliding window)."""
+    return left_padded_batch(length=3 * WINDOW)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("policy", ["full-fetch", "full"])
+def test_full_fetch_equals_the_model_with_its_own_cache(name, policy):
+    model = tiny_variant(name)
+    ids, mask = _batch()
+    # A model of its own for the reference: a dynamic RoPE keeps the longest length it has seen.
+    ref = _generate(tiny_variant(name), ids, mask, DynamicCache(config=model.config))
+    config = FETCH_ALL if policy == "full-fetch" else InfiniGenConfig(policy="full")
+    with attach(model, config, progress=False) as session:
+        cache = session.new_cache()
+        out = _generate(model, ids, mask, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    adapter = session.adapter
+    roles = [p["role"] for p in cache.summary()["per_layer"]]
+    assert [r == "local" for r in roles] == [adapter.is_local(i) for i in range(adapter.num_layers)]
+
+
+@pytest.mark.parametrize("name", [v for v in VARIANTS if v != "mistral-sliding"])
+def test_infinigen_selects_on_each(name):
+    model = tiny_variant(name)
+    ids, mask = _batch()
+    with attach(model, SPARSE, progress=False) as session:
+        cache = session.new_cache()
+        out = _generate(model, ids, mask, cache)
+    assert out.sequences.shape == (2, ids.shape[1] + 8)
+    s = cache.summary()
+    speculated = [p for p in s["per_layer"] if p["speculated"]]
+    assert speculated, "some layer must be speculated"
+    assert all(not session.adapter.is_local(p["layer"]) for p in speculated)
+    assert 0.0 < s["fetched_fraction"] < 0.6
+    assert 0.0 < s["recall"] <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_local_layers_hold_only_their_window(name):
+    """Local layers keep window - 1 positions with the compute and are never offloaded: the
+    offloaded bytes are those of the global layers alone."""
+    model = tiny_variant(name)
+    ids, mask = _batch()
+    with attach(model, InfiniGenConfig(policy="full"), progress=False) as session:
+        cache = session.new_cache()
+        _generate(model, ids, mask, cache)
+    a = session.adapter
+    local = [i for i in range(a.num_layers) if a.is_local(i)]
+    assert local and all(cache.layers[i].get_seq_length() == ids.shape[1] + 7 for i in local)
+    s = cache.summary()
+    assert s["local_kv_bytes"] == len(local) * 2 * 2 * a.num_kv_heads * (WINDOW - 1) * a.head_dim * 4
+    assert cache.storage.layers == a.num_layers - len(local)
+    if len(local) == a.num_layers:
+        assert s["bytes_fetched"] == 0 and s["fetched_fraction"] is None
+    else:
+        per_row = 2 * a.num_kv_heads * a.head_dim * 4  # K and V of one fp32 position
+        # Each of the 7 decode steps reads every stored position (padding too) of each global layer.
+        rows = sum(2 * (ids.shape[1] + step) for step in range(7)) * (a.num_layers - len(local))
+        assert s["bytes_fetched"] == rows * per_row
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2-hybrid", "qwen3"])
+@pytest.mark.parametrize("policy", ["full", "infinigen"])
+def test_evaluator_equals_step_by_step_decode(name, policy):
+    """The teacher-forced evaluator handles local layers exactly as decoding does."""
+    model = tiny_variant(name)
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    cfg = SPARSE if policy == "infinigen" else InfiniGenConfig(policy="full", measure_recall=True)
+    prefix_len, steps = 28, 10
+    step = forced_logits(model, ids, prefix_len, steps + 1, cfg, progress=False)
+    with Evaluator(model) as ev:
+        prefix = ev.prefill(ids[:, :prefix_len])
+        got = ev.run(prefix, ids[:, prefix_len : prefix_len + steps], cfg, measure_recall=True)
+    torch.testing.assert_close(got.logits[0], step.logits[1:], rtol=1e-4, atol=1e-4)
+    s = step.summary
+    assert got.bytes_fetched == s["bytes_fetched"] and got.rows_fetched == s["rows_fetched"]
+    spec = [p for p in s["per_layer"] if p["speculated"]]
+    if policy == "infinigen":
+        assert spec
+        assert got.per_layer_fraction == pytest.approx({p["layer"]: p["fetched_fraction"] for p in spec}, abs=1e-6)
+        assert got.per_layer_recall == pytest.approx({p["layer"]: p["recall"] for p in spec}, abs=1e-4)
+
+
+def test_gemma3_global_layer_is_speculated_with_the_global_rope():
+    """Gemma-3's local and global layers rotate by different RoPE bases: the query speculated for
+    a global layer from a local layer's input must use the embedding the global layer itself gets."""
+    model = tiny_variant("gemma3")
+    adapter = get_adapter(model)
+    seen = {}
+
+    def grab(module, args, kwargs, i):
+        seen[i] = (kwargs["position_embeddings"], kwargs["position_ids"], kwargs["hidden_states"])
+
+    mods = adapter.attention_modules()
+    handles = [
+        m.register_forward_pre_hook(lambda m, a, k, i=i: grab(m, a, k, i), with_kwargs=True) for i, m in enumerate(mods)
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(3, 3 + 20)[None])
+    finally:
+        for h in handles:
+            h.remove()
+    local_pe, pos, x = seen[1]
+    global_pe = seen[2][0]
+    assert adapter.is_local(1) and not adapter.is_local(2)
+    assert not torch.allclose(local_pe[0], global_pe[0]), "the test needs RoPEs that differ"
+    got = adapter.rope_for(2, 1, local_pe, pos, x)
+    torch.testing.assert_close(got[0], global_pe[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], global_pe[1], rtol=0, atol=0)
+    assert adapter.rope_for(3, 1, local_pe, pos, x) is local_pe  # same kind: handed as is
+
+
+def test_unsupported_models_say_what_is_supported():
+    gemma2 = Gemma2ForCausalLM(
+        Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=r"'gemma2' is not supported.*soft-caps.*supported: .*gemma3_text"):
+        get_adapter(gemma2)
+    capped = Gemma3ForCausalLM(
+        Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, attn_logit_softcapping=50.0)
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
+        get_adapter(capped)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
+def test_chunked_prefill_is_the_same_prefill(name):
+    """The evaluator and the benchmark prefill long prompts in chunks: same KV, same next token."""
+    from infinigen.prefill import chunked_prefill
+
+    model = tiny_variant(name)
+    ids = torch.randint(3, VOCAB, (1, 3 * WINDOW + 5), generator=torch.Generator().manual_seed(4))
+    whole, parts = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        ref = model(input_ids=ids, past_key_values=whole, use_cache=True).logits[:, -1]
+    got = chunked_prefill(model, ids, parts, chunk=WINDOW - 3).logits[:, -1]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(parts.layers, whole.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_prefills_a_long_prompt_in_chunks(monkeypatch):
+    """`infinigen generate` prefills a prompt longer than PREFILL_CHUNK in chunks through the
+    session's cache, then decodes from it: the same tokens as one prefill forward."""
+    import infinigen.generation as generation
+    from conftest import _byte_tokenizer
+
+    tok = _byte_tokenizer()
+    torch.manual_seed(0)
+    cfg = _gemma_config(vocab_size=len(tok))
+    model = Gemma3ForCausalLM(cfg).eval()
+    prompt = "the quick brown fox jumps over the lazy dog " * 2
+    config = InfiniGenConfig(policy="full")
+    once = generation.run_generation(model, tok, [prompt], config, max_new_tokens=6, progress=False)
+    calls = []
+    real = generation.chunked_prefill
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", WINDOW - 3)
+    monkeypatch.setattr(
+        generation, "chunked_prefill", lambda *a, **k: calls.append(1) or real(*a, chunk=WINDOW - 3, **k)
+    )
+    chunked = generation.run_generation(model, tok, [prompt], config, max_new_tokens=6, progress=False)
+    assert calls and chunked.token_ids == once.token_ids
+
+
+def _gemma_config(**changes):
+    from conftest import _variant_config
+
+    cfg = _variant_config("gemma3")
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    return cfg
