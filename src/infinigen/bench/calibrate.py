@@ -82,7 +82,7 @@ def disk_rates(directory: str | None = None, heads: int = 16, positions: int = 3
 
 def measure_overheads(model: str | None, out: Path, policies=("dense", "full", "infinigen")) -> list[dict]:
     """`bench decode` rows at a 64-token context (its own processes, its own JSON)."""
-    cmd = [sys.executable, "-m", "infinigen.cli", "bench", "decode", "--contexts", "64", "--batches", "1",
+    cmd = [sys.executable, "-m", "infinigen.cli", "bench", "decode", "--contexts", "64", "--batches", "1,4",
            "--steps", "24", "--policies", ",".join(policies), "--out", str(out)]  # fmt: skip
     if model:
         cmd += ["--model", model]
@@ -113,16 +113,22 @@ def this_machine(shape: ModelShape, small_rows: list[dict], directory: str | Non
     # Fixed per-layer costs: what a 64-token step spends beyond the bandwidth terms.
     overhead: dict[str, float] = {}
     work = Workload(fraction=1.0)
+    # Fixed cost per layer and step, and its growth per extra batch row (per-row small ops), from
+    # the 64-token rows at batch 1 and 4.
+    spare: dict[tuple[str, int], float] = {}
     for row in small_rows:
-        policy = row["policy"]
+        policy, b = row["policy"], row["batch"]
         if policy not in ("dense", "full", "infinigen"):
             continue
-        bare = predict(replace(hw, overhead_s={}), shape, policy, row["context"], 1, work)
-        spare = row["step_ms_median"] / 1000 - bare.step_ms / 1000
-        overhead[policy] = max(0.0, spare) / shape.layers
-        if policy == "infinigen":
-            speculated = shape.layers - 2
-            overhead["speculation"] = row["speculation_ms_per_step"] / 1000 / speculated
+        bare = predict(replace(hw, overhead_s={}), shape, policy, row["context"], b, work)
+        spare[policy, b] = max(0.0, row["step_ms_median"] / 1000 - bare.step_ms / 1000) / shape.layers
+        if policy == "infinigen" and b == 1:
+            overhead["speculation"] = row["speculation_ms_per_step"] / 1000 / (shape.layers - 2)
+    for (policy, b), sec in spare.items():
+        if b == 1:
+            overhead[policy] = sec
+            if (policy, 4) in spare:
+                overhead[f"{policy}/row"] = max(0.0, (spare[policy, 4] - sec) / 3)
     raw["overhead_s_per_layer"] = overhead
     return replace(hw, overhead_s=overhead), raw
 

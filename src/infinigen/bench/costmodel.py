@@ -59,9 +59,11 @@ class Hardware:
     offload_mem_bw: float | None = None
     block_bytes: int | None = None
 
-    def overhead(self, policy: str) -> float:
+    def overhead(self, policy: str, batch: int = 1) -> float:
+        """Fixed seconds per layer and step, plus (where calibrated) per extra batch row."""
         table = self.overhead_s or {}
-        return table.get(policy, table.get("default", 0.0))
+        per_row = table.get(f"{policy}/row", 0.0)
+        return table.get(policy, table.get("default", 0.0)) + per_row * (batch - 1)
 
 
 @dataclass(frozen=True)
@@ -277,7 +279,7 @@ def predict(hw: Hardware, m: ModelShape, policy: str, context: int, batch: int, 
         hw = offloading(hw)
     lin = _linear_seconds(hw, m, batch, m.layer_params)
     head = _linear_seconds(hw, m, batch, m.head_params)
-    over = hw.overhead(policy)
+    over = hw.overhead(policy, batch)
     row = m.kv_row_bytes(w.store_bytes)
     step = head
     tier = 0.0
