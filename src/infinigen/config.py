@@ -215,7 +215,7 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         None,
         "torch intra-op threads while attached (default: for offloading policies one less than torch's current "
         "count, which leaves a core to the prefetch and I/O threads; unchanged for dense)",
-        at_least(1),
+        Rule("between 1 and 1024", lambda v: 1 <= v <= 1024),  # torch's thread pool crashes on absurd counts
     )
 
     def __post_init__(self) -> None:
