@@ -61,6 +61,8 @@ POLICIES: dict[str, PolicySpec] = {
     "oracle": PolicySpec("offload", "oracle", default_budget=0.1, summary="true top attention mass (upper bound)"),
 }
 AGGREGATIONS = ("max", "sum", "union", "mass")
+ALLOCATIONS = ("uniform", "calibrated")
+SPECULATION_INPUTS = ("previous", "own")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
 TIERS = ("ram", "disk", "pinned")
 EVICTIONS = ("counter", "lru", "fifo")
@@ -154,6 +156,24 @@ class SpeculationKnobs(SelectionBudget):
         1, "select aligned blocks of this many positions (16 matches a 4 KiB disk block at d = 64)", at_least(1)
     )
     layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA)
+    allocation: str = knob(
+        "uniform",
+        "how the budget is spread over the speculated layers: uniform (the same fraction each) or calibrated "
+        "(per-layer fractions with the same mean, from the oracle recall curves in the skew artifact)",
+        one_of(ALLOCATIONS),
+    )
+    correction: float = knob(
+        0.0,
+        "speculate, then correct: at layer i its own query scores the partial keys, and this fraction of the "
+        "context that the speculation missed is fetched as a second, small transfer (0: off)",
+        fraction(low_open=False),
+    )
+    speculate_from: str = knob(
+        "previous",
+        "the input the speculated query is formed from: previous (layer i-1's, one layer ahead, overlapped) or "
+        "own (layer i's, not overlapped: measures what speculating from the previous layer costs)",
+        one_of(SPECULATION_INPUTS),
+    )
 
 
 @dataclass(frozen=True)
