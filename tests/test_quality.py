@@ -167,3 +167,19 @@ def test_summary_reports_each_layers_budget_and_what_it_fetched():
     for p in layers:
         assert p["fetched_fraction"] <= p["budget"] + 1 / 40 + 1e-9  # ceil of budget x context
         assert p["fetched_fraction"] >= p["budget"] - 1e-9
+
+
+def test_variant_strings_parse_or_are_refused_in_one_sentence():
+    from infinigen.cli import eval_variants
+    from infinigen.errors import InfiniGenError
+
+    got = eval_variants(["quest 512:policy=quest budget=1 budget_tokens=512", "c:allocation=calibrated"])
+    assert got == (
+        ("quest 512", {"policy": "quest", "budget": 1.0, "budget_tokens": 512}),
+        ("c", {"allocation": "calibrated"}),
+    )
+    assert eval_variants([]) is None
+    for bad in ["no-colon", "x:alpha", "x:nonsense=1", "x:allocation=bogus", ":budget=0.1"]:
+        with pytest.raises(InfiniGenError) as err:
+            eval_variants([bad])
+        assert "\n" not in str(err.value)

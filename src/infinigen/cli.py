@@ -291,7 +291,7 @@ def eval_variants(items: list[str]) -> tuple[tuple[str, dict], ...] | None:
         for part in rest.split():
             key, eq, value = part.partition("=")
             key = key.strip().replace("-", "_")
-            if not eq or key not in setting_fields() or key == "policy":
+            if not eq or key not in setting_fields():
                 raise InputError(f"--variant {item!r}: {part!r} is not KEY=VALUE with KEY an infinigen setting")
             try:
                 settings[key] = parse_setting(key, value)
@@ -489,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="LABEL:KEY=VALUE ...",
         help="variants suite: an InfiniGen variant to run instead of the built-in list (repeatable), e.g. "
-        "'calibrated:allocation=calibrated partial_ratio=0.5'; budget and alpha may be set too",
+        "'calibrated:allocation=calibrated partial_ratio=0.5'; policy, budget and alpha may be set too "
+        "(e.g. 'quest 512:policy=quest budget=1 budget_tokens=512')",
     )
     e.add_argument("--variant-budget", type=float, default=0.1, help="variants suite: the matched budget")
     e.add_argument(
