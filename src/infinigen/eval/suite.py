@@ -234,7 +234,9 @@ class EvalRunner:
             seq = seq[: miss + 1] + pred[miss:]
         return seq[: miss + 1], res, False
 
-    def ruler_suite(self, bar=None) -> list[dict]:
+    def ruler_suite(self, bar=None, on_sample=None) -> list[dict]:
+        """Every policy's greedy output on each RULER sample, scored; `on_sample(rows_so_far)`
+        after each sample (a long run keeps what it measured)."""
         from infinigen.eval.ruler import TASKS, ruler_samples, ruler_score
 
         st = self.settings
@@ -274,6 +276,8 @@ class EvalRunner:
                         )
                     if bar is not None:
                         bar.update(1)
+                    if on_sample is not None:
+                        on_sample(out)
         return out
 
     # ---------------------------------------------------------------- sensitivity
@@ -381,5 +385,6 @@ class EvalRunner:
                 if on_suite:
                     on_suite(rows)
             if "ruler" in suites:
-                rows += self.ruler_suite(bar)
+                done = list(rows)
+                rows += self.ruler_suite(bar, (lambda part: on_suite(done + part)) if on_suite else None)
         return rows
