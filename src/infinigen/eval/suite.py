@@ -252,8 +252,9 @@ class EvalRunner:
                     dense = self.dense_greedy(prefix, n)
                     full_bytes = full_fetch_bytes_per_token(self.ev.adapter, len(ids) + (n - 2) / 2, st.kv_dtype)
                     for label, budget, cfg in runs:
-                        if cfg.spec.placement == "compute":
-                            tokens, extra, exact = dense, {}, True
+                        if cfg.spec.placement == "compute":  # its output ends where it emits a stop token
+                            end = next((j + 1 for j, t in enumerate(dense) if t in stop), n)
+                            tokens, extra, exact = dense[:end], {}, True
                         else:
                             tokens, res, exact = self.policy_greedy(prefix, dense, cfg, stop)
                             extra = _row(res, None, None, full_bytes)
