@@ -94,7 +94,7 @@ def test_plain_generate_inside_the_block_uses_an_infinigen_cache():
     ids, mask = left_padded_batch()
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     ref = model.generate(**kw)
-    with attach(model, CFG.replace(alpha=math.inf), progress=False) as session:
+    with attach(model, CFG.replace(alpha=math.inf, budget=1.0), progress=False) as session:
         out = model.generate(**kw)
         summary = session.last_cache.summary()
     assert torch.equal(out, ref)
@@ -138,5 +138,5 @@ def test_a_folded_session_refuses_a_config_with_another_skew():
     model = tiny_model("opt")
     with attach(model, CFG, progress=False) as session:
         with pytest.raises(ValueError, match="folded into its weights.*attach again"):
-            session.new_cache(CFG.replace(partial_ratio=0.5))
+            session.new_cache(CFG.replace(partial_ratio=0.3))
         session.new_cache(CFG.replace(policy="quest", budget=0.2))  # other selectors need no skew

@@ -23,11 +23,19 @@ def _generate(model, ids, mask, cache, n=6):
     )
 
 
-@pytest.mark.parametrize("policy,alpha", [("infinigen", math.inf), ("infinigen", 1.0), ("full", 5.0)])
-def test_disk_tier_matches_ram_tier_bit_for_bit(tmp_path, policy, alpha):
+@pytest.mark.parametrize(
+    "policy,alpha,extra",
+    [
+        ("infinigen", math.inf, {}),
+        ("infinigen", 1.0, {}),
+        ("full", 5.0, {}),
+        ("infinigen", math.inf, {"budget": 0.15, "correction": 0.05}),  # the top-up is a second gather
+    ],
+)
+def test_disk_tier_matches_ram_tier_bit_for_bit(tmp_path, policy, alpha, extra):
     model = tiny_model("llama")
     ids, mask = left_padded_batch(length=100, pad=6)  # 64 positions per 4 KiB block at d = 16: disk and RAM tail
-    base = InfiniGenConfig(policy=policy, alpha=alpha, calibration_tokens=64, kv_dtype="float16", min_tokens=2)
+    base = InfiniGenConfig(policy=policy, alpha=alpha, calibration_tokens=64, kv_dtype="float16", min_tokens=2, **extra)
     with attach(model, base, progress=False) as session:
         ram = session.new_cache(base)
         out_ram = _generate(model, ids, mask, ram)
@@ -43,6 +51,7 @@ def test_disk_tier_matches_ram_tier_bit_for_bit(tmp_path, policy, alpha):
     assert len(offloaded) == len(s_disk["per_layer"]) - (2 if policy == "infinigen" else 0)  # dense layers on compute
     assert len(files) == len(offloaded)  # one file per offloaded layer, none with a name
     assert s_ram["rows_fetched"] == s_disk["rows_fetched"]
+    assert s_ram["correction_bytes"] == s_disk["correction_bytes"] and (s_ram["correction_bytes"] > 0) == bool(extra)
     assert s_disk["bytes_fetched"] >= s_ram["bytes_fetched"]  # whole 4 KiB blocks
     assert s_disk["read_amplification"] >= 1.0 and s_ram["read_amplification"] == 1.0
     assert 0 < s_disk["bytes_cached"] < s_disk["bytes_fetched"]  # the unwritten tail block came from RAM

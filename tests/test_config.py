@@ -60,7 +60,7 @@ def test_selectors_get_their_own_knobs_with_the_policy_default_budget():
     from infinigen.config import H2OKnobs, SpeculationKnobs
 
     assert InfiniGenConfig(policy="h2o").knobs(H2OKnobs) == H2OKnobs(budget=0.1, recent_ratio=0.5)
-    assert InfiniGenConfig().knobs(SpeculationKnobs).budget == 1.0  # no cap on the alpha threshold
+    assert InfiniGenConfig().knobs(SpeculationKnobs).budget == 0.1  # the one knob: 10% by default
     assert InfiniGenConfig(policy="h2o", budget=0.3).knobs(H2OKnobs).budget == 0.3
 
 

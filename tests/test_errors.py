@@ -51,7 +51,7 @@ def test_attach_wraps_generate_and_detach_restores_it():
     model = tiny_model("mistral")
     ids, mask = left_padded_batch()
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    with attach(model, InfiniGenConfig(alpha=float("inf"), calibration_tokens=64), progress=False) as att:
+    with attach(model, InfiniGenConfig(alpha=float("inf"), budget=1.0, calibration_tokens=64), progress=False) as att:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert att.model is model
     assert torch.equal(out, ref)

@@ -7,6 +7,7 @@ from conftest import VOCAB, tiny_model
 from infinigen import InfiniGenConfig
 from infinigen.eval.evaluator import Evaluator
 from infinigen.eval.stepwise import forced_logits
+from infinigen.storage import row_bytes
 
 BASE = dict(calibration_tokens=64, measure_recall=True)
 CONFIGS = {
@@ -18,6 +19,11 @@ CONFIGS = {
         alpha=0.5, min_tokens=2, kv_dtype="float16", dense_layers_on_compute=False, **BASE
     ),
     "infinigen-mass-budget": InfiniGenConfig(alpha=float("inf"), budget=0.25, aggregation="mass", **BASE),
+    "infinigen-calibrated": InfiniGenConfig(alpha=float("inf"), budget=0.25, allocation="calibrated", **BASE),
+    "infinigen-correct": InfiniGenConfig(
+        alpha=float("inf"), budget=0.15, correction=0.1, kv_dtype="float16", aggregation="mass", **BASE
+    ),
+    "infinigen-own-query": InfiniGenConfig(alpha=float("inf"), budget=0.2, speculate_from="own", **BASE),
     "h2o": InfiniGenConfig(policy="h2o", budget=0.3, **BASE),
     "streaming": InfiniGenConfig(policy="streaming", budget=0.3, sinks=2, **BASE),
     "quest": InfiniGenConfig(policy="quest", budget=0.3, page_tokens=4, kv_dtype="float16", **BASE),
@@ -46,6 +52,10 @@ def test_vectorized_evaluator_equals_step_by_step_decode(setup, name):
     torch.testing.assert_close(got.logits[0], step.logits[1:], rtol=1e-4, atol=1e-4)
     s = step.summary
     assert got.bytes_fetched == s["bytes_fetched"] and got.rows_fetched == s["rows_fetched"]
+    per_row = row_bytes("native", model.config.head_dim, cfg.storage_dtype() or torch.float32)
+    assert got.correction_rows * per_row == s["correction_bytes"]
+    if cfg.correction > 0:
+        assert got.correction_rows > 0, "the correction must fetch something to be tested"
     spec = [p for p in s["per_layer"] if p["speculated"]]
     if spec:
         assert got.per_layer_fraction == pytest.approx({p["layer"]: p["fetched_fraction"] for p in spec}, abs=1e-6)

@@ -14,7 +14,15 @@ import torch
 
 from conftest import VOCAB, left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
-from infinigen.config import ConfigError, add_arguments, from_arguments, parse_setting, setting_fields, setting_type
+from infinigen.config import (
+    ConfigError,
+    SpeculationKnobs,
+    add_arguments,
+    from_arguments,
+    parse_setting,
+    setting_fields,
+    setting_type,
+)
 from infinigen.errors import InfiniGenError
 from infinigen.storage import DiskTier, Int4RamTier, RamTier, TransferStats, roundtrip
 
@@ -85,7 +93,7 @@ def _lossless(cfg: InfiniGenConfig) -> bool:
         cfg.policy == "infinigen"
         and math.isinf(cfg.alpha)
         and all(math.isinf(a) for a in cfg.layer_alpha.values())
-        and cfg.budget is None
+        and cfg.knobs(SpeculationKnobs).budget >= 1.0
         and cfg.budget_tokens is None
         and cfg.host_capacity is None
     )

@@ -164,7 +164,7 @@ def test_cache_on_cuda_with_pinned_tier_matches_dynamic_cache():
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     kw.update(output_logits=True, return_dict_in_generate=True)
     ref = model.generate(past_key_values=DynamicCache(config=model.config), **kw)
-    cfg = InfiniGenConfig(alpha=math.inf, tier="pinned", calibration_tokens=64)
+    cfg = InfiniGenConfig(alpha=math.inf, budget=1.0, tier="pinned", calibration_tokens=64)
     with attach(model, cfg, progress=False) as session:
         out = model.generate(past_key_values=session.new_cache(), **kw)
         assert torch.equal(out.sequences, ref.sequences)

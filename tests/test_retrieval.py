@@ -179,7 +179,7 @@ def test_texts(essays, squad):
     paragraphs = squad_text.split("\n\n")
     assert squad_text.startswith("The Normans") and len(paragraphs) == len(set(paragraphs))
     assert datasets.load_text("squad") == squad_text
-    with pytest.raises(ValueError, match="essays, squad"):
+    with pytest.raises(ValueError, match="code, essays, shakespeare, squad or file:PATH"):
         datasets.load_text("milton")
 
 

@@ -71,7 +71,7 @@ def test_artifact_round_trip_and_mismatch_is_refused(tmp_path):
         torch.testing.assert_close(loaded.skews[i], art.skews[i])
 
     # Same model: accepted through attach.
-    with attach(model, InfiniGenConfig(), skew=path, progress=False) as session:
+    with attach(model, InfiniGenConfig(partial_ratio=0.3), skew=path, progress=False) as session:
         assert session.artifact.fingerprint == art.fingerprint
     # Other settings: refused.
     with pytest.raises(SkewArtifactError, match="partial_ratio"):

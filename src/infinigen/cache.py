@@ -224,6 +224,8 @@ class InfiniGenCache(SessionCache):
                 "fetched_fraction": layer.stats.fraction(),
                 "recall": layer.stats.recall(),
                 "wait_seconds": layer.stats.wait_seconds,
+                "correction_rows": layer.stats.correction_rows,
+                "budget": self.selector.budget(i) if layer.role == "select" else None,
             }
             for i, layer in enumerate(self.layers)
         ]
@@ -253,6 +255,8 @@ class InfiniGenCache(SessionCache):
             "rows_fetched": stats.rows,
             "bytes_fetched_per_token": stats.bytes / tokens if c.decode_steps else 0.0,
             "speculation_seconds": c.speculation_seconds,
+            "correction_bytes": c.correction_bytes,
+            "correction_seconds": c.correction_seconds,
             "wait_seconds": c.wait_seconds,
             "tier": self.config.tier,
             "evictions": sum(evicted for evicted, _ in pools),

@@ -31,7 +31,7 @@ DEMO_PROMPT_TOKENS = 6000
 RUN_DEFAULTS = {"kv_dtype": "float16"}
 # Settings `infinigen eval` sets itself for every run; `--set` may override any other.
 EVAL_FIXED = ("policy", "alpha", "budget")
-SUITES = ("ppl", "passkey", "needle", "sensitivity", "variants")
+SUITES = ("ppl", "passkey", "needle", "sensitivity", "variants", "ruler")
 
 
 def demo_prompt() -> str:
@@ -277,6 +277,31 @@ def eval_overrides(items: list[str]) -> dict:
     return out
 
 
+def eval_variants(items: list[str]) -> tuple[tuple[str, dict], ...] | None:
+    """`--variant "LABEL:KEY=VALUE KEY=VALUE"` strings -> (label, settings), validated before any
+    model loads; None when none is given (the variants suite's own list)."""
+    from infinigen.config import InfiniGenConfig
+
+    out = []
+    for item in items:
+        label, sep, rest = item.partition(":")
+        if not sep or not label.strip():
+            raise InputError(f"--variant {item!r}: expected LABEL:KEY=VALUE [KEY=VALUE ...]")
+        settings: dict = {}
+        for part in rest.split():
+            key, eq, value = part.partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq or key not in setting_fields():
+                raise InputError(f"--variant {item!r}: {part!r} is not KEY=VALUE with KEY an infinigen setting")
+            try:
+                settings[key] = parse_setting(key, value)
+            except ConfigError as exc:
+                raise InputError(f"--variant {item!r}: {exc}") from None
+        InfiniGenConfig(**settings)
+        out.append((label.strip(), settings))
+    return tuple(out) or None
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import time
 
@@ -298,10 +323,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if any(not 0 < b <= 1 for b in budgets):
         raise InputError("--budgets must be fractions in (0, 1]")
     base = eval_overrides(args.set)
+    datasets = _names(args.datasets) if args.datasets is not None else (() if args.text_file else ("essays", "squad"))
+    for path in args.text_file:
+        read_text_file(path, "text file")  # refused before the model loads
+        datasets += (f"file:{Path(path).resolve()}",)
+    from infinigen.eval.ruler import TASKS as RULER_TASKS
+
+    ruler_tasks = _names(args.ruler_tasks) if args.ruler_tasks else None
+    if ruler_tasks and set(ruler_tasks) - set(RULER_TASKS):
+        raise InputError(
+            f"unknown RULER task(s) {sorted(set(ruler_tasks) - set(RULER_TASKS))}; use {', '.join(RULER_TASKS)}"
+        )
     settings = EvalSettings(
         policies=policies,
         budgets=budgets,
-        datasets=_names(args.datasets),
+        datasets=datasets,
         contexts=_ints(args.contexts),
         score_tokens=args.score_tokens,
         windows=args.windows,
@@ -310,6 +346,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         alphas=_floats(args.alphas),
         ratios=_floats(args.ratios),
         sensitivity_context=args.sensitivity_context,
+        variants=eval_variants(args.variant),
+        variant_budget=args.variant_budget,
+        ruler_tasks=ruler_tasks,
+        ruler_lengths=_ints(args.ruler_lengths),
+        ruler_samples=args.ruler_samples,
         kv_dtype=base.pop("kv_dtype", RUN_DEFAULTS["kv_dtype"]),
         base=base,
     )
@@ -426,7 +467,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--suite", default="ppl,passkey,needle", help=f"comma list of {', '.join(SUITES)}")
     e.add_argument("--policies", default=",".join(POLICIES), help="comma list of policies")
     e.add_argument("--budgets", default="0.05,0.1,0.2", help="fractions of the context fetched (comma list)")
-    e.add_argument("--datasets", default="essays,squad", help="texts for perplexity: essays, squad")
+    e.add_argument(
+        "--datasets",
+        default=None,
+        help="texts for perplexity: essays, squad, code (Python's standard library), shakespeare "
+        "(default: essays,squad, or none when --text-file is given)",
+    )
+    e.add_argument(
+        "--text-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="your own UTF-8 text for perplexity (repeatable)",
+    )
+    e.add_argument("--ruler-tasks", default=None, help="ruler: comma list of tasks (default: all)")
+    e.add_argument("--ruler-lengths", default="4096,8192", help="ruler: prompt lengths in tokens")
+    e.add_argument("--ruler-samples", type=int, default=4, help="ruler: samples per task and length")
     e.add_argument("--contexts", default="2048,4096", help="window lengths for perplexity")
     e.add_argument("--score-tokens", type=int, default=512, help="teacher-forced positions scored per window")
     e.add_argument("--windows", type=int, default=1, help="windows per dataset and context")
@@ -435,6 +491,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--alphas", default="1,2,3,4,5,6,7,8", help="sensitivity: alpha values")
     e.add_argument("--ratios", default="0.1,0.2,0.3,0.5,0.7,1.0", help="sensitivity: partial ratios")
     e.add_argument("--sensitivity-context", type=int, default=2048)
+    e.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:KEY=VALUE ...",
+        help="variants suite: an InfiniGen variant to run instead of the built-in list (repeatable), e.g. "
+        "'calibrated:allocation=calibrated partial_ratio=0.5'; policy, budget and alpha may be set too "
+        "(e.g. 'quest 512:policy=quest budget=1 budget_tokens=512')",
+    )
+    e.add_argument("--variant-budget", type=float, default=0.1, help="variants suite: the matched budget")
     e.add_argument(
         "--set",
         action="append",

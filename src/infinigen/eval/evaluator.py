@@ -35,7 +35,7 @@ from infinigen.config import InfiniGenConfig
 from infinigen.layers import LocalLayer, Positions, SessionLayer
 from infinigen.prefill import chunked_prefill
 from infinigen.select import Selector
-from infinigen.speculate import attention_column_sums, attention_recall, selection_mask
+from infinigen.speculate import Selection, attention_column_sums, attention_recall, selection_mask
 from infinigen.storage import roundtrip, row_bytes
 
 
@@ -49,6 +49,7 @@ class ForcedResult:
     rows_fetched: int
     steps: int
     policy: str
+    correction_rows: int = 0  # of rows_fetched: the top-ups of speculate-then-correct
 
     @property
     def fetched_fraction(self) -> float | None:
@@ -90,6 +91,7 @@ class _Record:
     recall_heads: dict[int, list[float]] = field(default_factory=dict)
     bytes: int = 0
     rows: int = 0
+    correction_rows: int = 0
 
 
 class _StoredWeights:
@@ -188,7 +190,7 @@ class ForcedLayer(SessionLayer):
             self.record.rows += n_rows
             self.record.bytes += n_rows * row_bytes(fmt, d, kv_dtype)
         else:
-            mask = self._replay_selection(scores, key, t0, s_len, kv_dtype)
+            mask = self._replay_selection(scores, query, key, t0, s_len, kv_dtype)
             allowed = mask[:, :, None].expand(b, hkv, g, s_len, k_len).reshape(b, h, s_len, k_len)
             allowed = allowed | (cols[None, :] == self_col[:, None])[None, None]
         probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1)
@@ -197,8 +199,9 @@ class ForcedLayer(SessionLayer):
         out = out + p_self[..., None] * (v_self - vr[:, :, t0:])  # the current token's exact V
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
-    def _replay_selection(self, scores, key, t0: int, s_len: int, kv_dtype) -> torch.Tensor:
-        """The selector's step-by-step selections of this layer for the S positions: [B, Hkv, S, K]."""
+    def _replay_selection(self, scores, own_query, key, t0: int, s_len: int, kv_dtype) -> torch.Tensor:
+        """The selector's step-by-step selections of this layer for the S positions, with the
+        corrections its own queries add: [B, Hkv, S, K]."""
         selector, state, i, record = self.selector, self.state, self.index, self.record
         b, h = scores.shape[:2]
         hkv, k_len = key.shape[1], key.shape[2]
@@ -215,9 +218,14 @@ class ForcedLayer(SessionLayer):
         for s in range(s_len):
             past = t0 + s
             q = queries[:, :, s] if queries is not None else None
-            sel = selector.select(state, i, q, past, real[..., :past].expand(b, hkv, past))
-            mask[:, :, s, :past] = selection_mask(sel, past)
+            valid = real[..., :past].expand(b, hkv, past)
+            sel = selector.select(state, i, q, past, valid)
             selector.on_append(state, i, key[:, :, past : past + 1], new_valid)
+            extra = selector.correct(state, i, own_query[:, :, s], past, valid, sel)
+            if extra is not None and extra.indices.shape[-1]:
+                record.correction_rows += int(extra.valid.sum())
+                sel = Selection(torch.cat([sel.indices, extra.indices], -1), torch.cat([sel.valid, extra.valid], -1))
+            mask[:, :, s, :past] = selection_mask(sel, past)
             allowed = mask[:, :, s, : past + 1].clone()
             allowed[..., past] = True
             row = scores[:, :, s, : past + 1].masked_fill(~allowed.repeat_interleave(g, 1), -math.inf)
@@ -337,6 +345,7 @@ class Evaluator:
             rows_fetched=record.rows,
             steps=chunk.shape[1],
             policy=config.policy,
+            correction_rows=record.correction_rows,
         )
 
 

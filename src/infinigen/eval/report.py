@@ -37,17 +37,47 @@ def ppl_tables(rows: list[dict]) -> str:
             f"\n### {ds}, {ctx} tokens (last positions teacher-forced; windows: {len({r['window'] for r in rs})})\n"
         )
         out.append(
-            "| policy | budget | positions fetched | bytes vs full | ppl | Δppl vs dense | top-1 agr. | KL | recall |"
+            "| policy | budget | positions fetched | bytes vs full | ppl | Δppl vs dense | x oracle's Δppl "
+            "| top-1 agr. | KL | recall |"
         )
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        oracle = {b: _mean([r["ppl"] for r in g]) for (p, b), g in by.items() if p == "oracle"}
         for (p, b), g in by.items():
             ppl_v = _mean([r["ppl"] for r in g])
             delta = None if dense_ppl is None or ppl_v is None else (ppl_v / dense_ppl - 1) * 100
+            o = oracle.get(b)
+            ratio = None
+            if p != "oracle" and None not in (o, ppl_v, dense_ppl) and o != dense_ppl:
+                ratio = (ppl_v - dense_ppl) / (o - dense_ppl)
             out.append(
                 f"| {p} | {_f(b, '.0%') if b is not None else '-'} | {_f(_mean([r['fetched_fraction'] for r in g]), '.1%')} "
                 f"| {_f(_mean([r['bytes_fraction'] for r in g]), '.1%')} | {_f(ppl_v, '.2f')} | {_f(delta, '+.1f')}% "
-                f"| {_f(_mean([r.get('top1_agreement') for r in g]))} | {_f(_mean([r.get('kl') for r in g]))} "
-                f"| {_f(_mean([r.get('recall') for r in g]))} |"
+                f"| {_f(ratio, '.2f')} | {_f(_mean([r.get('top1_agreement') for r in g]))} "
+                f"| {_f(_mean([r.get('kl') for r in g]))} | {_f(_mean([r.get('recall') for r in g]))} |"
+            )
+    return "\n".join(out)
+
+
+def ruler_table(rows: list[dict]) -> str:
+    """RULER: mean string-match score (0-100) per task and policy, one table per length."""
+    rs = [r for r in rows if r["suite"] == "ruler"]
+    out = []
+    for length in sorted({r["length"] for r in rs}):
+        g = [r for r in rs if r["length"] == length]
+        tasks = list(dict.fromkeys(r["task"] for r in g))
+        labels = list(dict.fromkeys(_label(r) for r in g))
+        n = len({r["sample"] for r in g})
+        inexact = sum(not r["exact"] for r in g)
+        out.append(f"\n### {length} tokens ({n} samples per task; outputs not confirmed in full: {inexact})\n")
+        out.append("| policy | fetched | " + " | ".join(tasks) + " | mean |")
+        out.append("|---|---|" + "---|" * (len(tasks) + 1))
+        for lab in labels:
+            cells = [_mean([r["score"] for r in g if _label(r) == lab and r["task"] == t]) for t in tasks]
+            frac = _mean([r.get("fetched_fraction") for r in g if _label(r) == lab])
+            out.append(
+                f"| {lab} | {_f(frac, '.1%')} | "
+                + " | ".join(_f(c, ".1f") for c in cells)
+                + f" | {_f(_mean(cells), '.1f')} |"
             )
     return "\n".join(out)
 
@@ -95,17 +125,21 @@ def variants_table(rows: list[dict]) -> str:
     if not rs:
         return ""
     out = []
-    for ds in dict.fromkeys(r["dataset"] for r in rs):
-        g = [r for r in rs if r["dataset"] == ds]
+    for ds, ctx in dict.fromkeys((r["dataset"], r["context"]) for r in rs):
+        g = [r for r in rs if r["dataset"] == ds and r["context"] == ctx]
         dense = next((r["ppl"] for r in g if r["policy"] == "dense"), None)
-        out.append(f"\n### {ds}, {g[0]['context']} tokens, budget {next(r['budget'] for r in g if r['budget']):.0%}\n")
-        out.append("| variant | positions fetched | ppl | Δppl vs dense | top-1 agr. | KL | recall |")
-        out.append("|---|---|---|---|---|---|---|")
+        oracle = next((r["ppl"] for r in g if r["policy"] == "oracle"), None)
+        out.append(f"\n### {ds}, {ctx} tokens, budget {next(r['budget'] for r in g if r['budget']):.0%}\n")
+        out.append("| variant | positions fetched | ppl | Δppl vs dense | x oracle's Δppl | top-1 agr. | KL | recall |")
+        out.append("|---|---|---|---|---|---|---|---|")
         for r in g:
             delta = None if dense is None else (r["ppl"] / dense - 1) * 100
+            ratio = None
+            if dense is not None and oracle is not None and oracle != dense and r["policy"] != "dense":
+                ratio = (r["ppl"] - dense) / (oracle - dense)
             out.append(
                 f"| {r['policy']} | {_f(r['fetched_fraction'], '.1%')} | {_f(r['ppl'], '.2f')} | {_f(delta, '+.1f')}% "
-                f"| {_f(r.get('top1_agreement'))} | {_f(r.get('kl'))} | {_f(r.get('recall'))} |"
+                f"| {_f(ratio, '.2f')} | {_f(r.get('top1_agreement'))} | {_f(r.get('kl'))} | {_f(r.get('recall'))} |"
             )
     return "\n".join(out)
 
@@ -164,6 +198,8 @@ def markdown(rows: list[dict], meta: dict[str, Any], targets: str = "") -> str:
         parts.append("## Perplexity, agreement with dense, recall\n" + ppl_tables(rows))
     if any(r["suite"] in ("passkey", "needle") for r in rows):
         parts.append("## Retrieval\n" + retrieval_tables(rows))
+    if any(r["suite"] == "ruler" for r in rows):
+        parts.append("## RULER (string match, 0-100)\n" + ruler_table(rows))
     lt = layer_table(rows)
     if any(r["suite"] == "variants" for r in rows):
         lt += "\n" + layer_table(rows, suite="variants", label=DEFAULT_VARIANT)

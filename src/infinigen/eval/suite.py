@@ -7,7 +7,10 @@ Suites (each row of the output is one policy at one budget on one input):
   passkey      a 5-digit key hidden in filler at three depths, 1K-8K tokens;
   needle       a sentence hidden in the essays, same lengths and depths;
   sensitivity  InfiniGen alone, threshold mode: alpha, partial ratio, skew on/off;
-  variants     InfiniGen at one matched budget: aggregation, partial ratio, dense layers, skew.
+  variants     InfiniGen at one matched budget: aggregation, partial ratio, dense layers, skew;
+  ruler        RULER's synthetic tasks (needles, variable tracking, word extraction, QA) from the
+               generators of `nvidia-long-context-eval`, greedy outputs scored by RULER's
+               string match (`infinigen.eval.ruler`).
 
 Retrieval is scored exactly as greedy decoding would score it, by teacher forcing: greedy
 emits the answer iff the argmax after the prompt and each answer prefix is the next answer
@@ -28,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infinigen.config import POLICIES, InfiniGenConfig
-from infinigen.eval.evaluator import Evaluator, ForcedResult
+from infinigen.eval.evaluator import Evaluator, ForcedResult, Prefix
 from infinigen.eval.metrics import kl_divergence, top1_agreement
 from infinigen.eval.report import DEFAULT_VARIANT
 from infinigen.storage import row_bytes
@@ -48,6 +51,10 @@ class EvalSettings:
     ratios: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
     sensitivity_context: int = 2048
     variant_budget: float = 0.1
+    variants: tuple[tuple[str, dict[str, Any]], ...] | None = None  # None: the built-in list
+    ruler_tasks: tuple[str, ...] | None = None  # None: every task of infinigen.eval.ruler.TASKS
+    ruler_lengths: tuple[int, ...] = (4096, 8192)
+    ruler_samples: int = 4
     kv_dtype: str = "float16"
     base: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra InfiniGenConfig fields
 
@@ -190,6 +197,91 @@ class EvalRunner:
                 bar.update(1)
         return out
 
+    # ---------------------------------------------------------------- RULER
+    @torch.no_grad()
+    def dense_greedy(self, prefix: Prefix, n: int) -> list[int]:
+        """n greedy tokens of the plain model after the prefix (its cache is cropped back after)."""
+        t0 = prefix.length
+        tokens = [int(prefix.last_logits[0].argmax())]
+        try:
+            for _ in range(n - 1):
+                out = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=prefix.cache, use_cache=True)
+                tokens.append(int(out.logits[0, -1].argmax()))
+        finally:
+            extra = prefix.cache.get_seq_length() - t0
+            if extra:
+                prefix.cache.crop(-extra)  # a negative count: tokens removed from the end
+        return tokens
+
+    def policy_greedy(
+        self, prefix: Prefix, guess: list[int], config: InfiniGenConfig, stop: set[int], rounds: int = 8
+    ) -> tuple[list[int], ForcedResult, bool]:
+        """Greedy decoding under `config`, exactly, by teacher forcing (Jacobi fixed point): force
+        the guess, keep it up to the first token the policy would not have emitted, continue
+        with the policy's own predictions, repeat. Each round confirms at least one more token,
+        and a guess the policy agrees with (the dense output, mostly) takes one round. Returns
+        (tokens confirmed, the last forced run, whether all n were confirmed within `rounds`)."""
+        n = len(guess)
+        seq = list(guess)
+        seq[0] = int(prefix.last_logits[0].argmax())  # the prefill's token: dense for every policy
+        res = None
+        for _ in range(rounds):
+            res = self.ev.run(prefix, torch.tensor(seq[: n - 1])[None], config)
+            pred = res.logits[0].argmax(-1).tolist()  # pred[j]: the token after seq[: j + 1]
+            end = next((j for j, t in enumerate(seq) if t in stop), n - 1)
+            miss = next((j for j in range(min(end, n - 1)) if pred[j] != seq[j + 1]), None)
+            if miss is None:
+                return seq[: end + 1], res, True
+            seq = seq[: miss + 1] + pred[miss:]
+        return seq[: miss + 1], res, False
+
+    def ruler_suite(self, bar=None, on_sample=None) -> list[dict]:
+        """Every policy's greedy output on each RULER sample, scored; `on_sample(rows_so_far)`
+        after each sample (a long run keeps what it measured)."""
+        from infinigen.eval.ruler import TASKS, ruler_samples, ruler_score
+
+        st = self.settings
+        runs = policy_configs(st)
+        stop = {t for t in (self.tokenizer.eos_token_id,) if t is not None}
+        out = []
+        for length in st.ruler_lengths:
+            for task in st.ruler_tasks or tuple(TASKS):
+                n = TASKS[task].max_new_tokens
+                for sample in ruler_samples(self.tokenizer, task, length, st.ruler_samples):
+                    ids = self.tokenizer(sample.prompt, add_special_tokens=False).input_ids
+                    prefix = self.ev.prefill(torch.tensor(ids)[None])
+                    dense = self.dense_greedy(prefix, n)
+                    full_bytes = full_fetch_bytes_per_token(self.ev.adapter, len(ids) + (n - 2) / 2, st.kv_dtype)
+                    for label, budget, cfg in runs:
+                        if cfg.spec.placement == "compute":  # its output ends where it emits a stop token
+                            end = next((j + 1 for j, t in enumerate(dense) if t in stop), n)
+                            tokens, extra, exact = dense[:end], {}, True
+                        else:
+                            tokens, res, exact = self.policy_greedy(prefix, dense, cfg, stop)
+                            extra = _row(res, None, None, full_bytes)
+                        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                        out.append(
+                            {
+                                "suite": "ruler",
+                                "task": task,
+                                "length": length,
+                                "prompt_tokens": len(ids),
+                                "sample": sample.index,
+                                "policy": label,
+                                "budget": budget,
+                                "score": ruler_score(task, text, sample.answers),
+                                "exact": exact,
+                                "output": text,
+                                "answers": sample.answers,
+                                **{k: extra.get(k) for k in ("fetched_fraction", "bytes_fraction")},
+                            }
+                        )
+                    if bar is not None:
+                        bar.update(1)
+                    if on_sample is not None:
+                        on_sample(out)
+        return out
+
     # ---------------------------------------------------------------- sensitivity
     def sensitivity_suite(self, bar=None) -> list[dict]:
         """InfiniGen alone, uncapped, on one essays window: alpha, partial ratio, skew."""
@@ -225,30 +317,37 @@ class EvalRunner:
         st = self.settings
         b = st.variant_budget
         common = dict(st.base, kv_dtype=st.kv_dtype, alpha=math.inf, budget=b)
-        variants = [
-            (DEFAULT_VARIANT, {}),
-            ("aggregation=max", {"aggregation": "max"}),
-            ("aggregation=mass", {"aggregation": "mass"}),
-            ("partial_ratio=0.5", {"partial_ratio": 0.5}),
-            ("aggregation=mass, partial_ratio=0.5", {"aggregation": "mass", "partial_ratio": 0.5}),
-            ("partial_ratio=1.0", {"partial_ratio": 1.0}),
-            ("dense_layers=3", {"dense_layers": 3}),
-            ("skew=off", {"skew": False}),
-        ]
+        variants = (
+            list(st.variants)
+            if st.variants is not None
+            else [
+                (DEFAULT_VARIANT, {}),
+                ("aggregation=max", {"aggregation": "max"}),
+                ("aggregation=mass", {"aggregation": "mass"}),
+                ("partial_ratio=0.5", {"partial_ratio": 0.5}),
+                ("aggregation=mass, partial_ratio=0.5", {"aggregation": "mass", "partial_ratio": 0.5}),
+                ("partial_ratio=1.0", {"partial_ratio": 1.0}),
+                ("dense_layers=3", {"dense_layers": 3}),
+                ("skew=off", {"skew": False}),
+            ]
+        )
         rows = []
+        contexts = st.contexts if st.variants is not None else (st.sensitivity_context,)
         for ds in st.datasets:
-            ids = torch.tensor(text_windows(self.tokenizer, ds, st.sensitivity_context, 1)[0])
-            runs = [("dense", None, InfiniGenConfig(policy="dense"))]
-            runs += [("oracle", b, InfiniGenConfig(policy="oracle", budget=b, kv_dtype=st.kv_dtype))]
-            runs += [(name, b, InfiniGenConfig(**{**common, **kw})) for name, kw in variants]
-            # Quest's loss comes from its page bound, not from being query-aware: smaller pages.
-            for page in (4, 1):
-                cfg = InfiniGenConfig(policy="quest", budget=b, page_tokens=page, kv_dtype=st.kv_dtype)
-                runs.append((f"quest page_tokens={page}", b, cfg))
-            for row in self.ppl_window(ids, runs):
-                rows.append({"suite": "variants", "dataset": ds, "context": st.sensitivity_context, **row})
-            if bar is not None:
-                bar.update(1)
+            for ctx in contexts:
+                ids = torch.tensor(text_windows(self.tokenizer, ds, ctx, 1)[0])
+                runs = [("dense", None, InfiniGenConfig(policy="dense"))]
+                runs += [("oracle", b, InfiniGenConfig(policy="oracle", budget=b, kv_dtype=st.kv_dtype))]
+                runs += [(name, kw.get("budget", b), InfiniGenConfig(**{**common, **kw})) for name, kw in variants]
+                if st.variants is None:
+                    # Quest's loss comes from its page bound, not from being query-aware: smaller pages.
+                    for page in (4, 1):
+                        cfg = InfiniGenConfig(policy="quest", budget=b, page_tokens=page, kv_dtype=st.kv_dtype)
+                        runs.append((f"quest page_tokens={page}", b, cfg))
+                for row in self.ppl_window(ids, runs):
+                    rows.append({"suite": "variants", "dataset": ds, "context": ctx, **row})
+                if bar is not None:
+                    bar.update(1)
         return rows
 
     def run(self, suites: tuple[str, ...], on_suite=None) -> list[dict]:
@@ -263,7 +362,11 @@ class EvalRunner:
         if "sensitivity" in suites:
             work += len(st.alphas) + len(st.ratios) + 1
         if "variants" in suites:
-            work += len(st.datasets)
+            work += len(st.datasets) * (len(st.contexts) if st.variants is not None else 1)
+        if "ruler" in suites:
+            from infinigen.eval.ruler import TASKS
+
+            work += len(st.ruler_lengths) * len(st.ruler_tasks or TASKS) * st.ruler_samples
         rows: list[dict] = []
         with tqdm(total=work, desc="eval", disable=not self.progress) as bar, self.ev:
             if "ppl" in suites:
@@ -281,4 +384,9 @@ class EvalRunner:
                     on_suite(rows)
             if "variants" in suites:
                 rows += self.variants_suite(bar)
+                if on_suite:
+                    on_suite(rows)
+            if "ruler" in suites:
+                done = list(rows)
+                rows += self.ruler_suite(bar, (lambda part: on_suite(done + part)) if on_suite else None)
         return rows

@@ -12,7 +12,7 @@ import torch
 from infinigen.config import POLICIES, InfiniGenConfig
 from infinigen.select.base import Selector
 from infinigen.select.h2o import H2OSelector
-from infinigen.select.infinigen import InfiniGenSelector, projections_from_artifact
+from infinigen.select.infinigen import InfiniGenSelector, layer_budgets_from_artifact, projections_from_artifact
 from infinigen.select.oracle import OracleSelector
 from infinigen.select.quest import QuestSelector
 from infinigen.select.streaming import StreamingSelector
@@ -33,8 +33,9 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
     if cls is InfiniGenSelector:
         if artifact is None:
             raise ValueError("the infinigen selector needs the skew artifact of an attach session")
-        devices = layer_devices(adapter)
-        return InfiniGenSelector(knobs, adapter, projections_from_artifact(artifact, adapter.head_dim, folded, devices))
+        projections = projections_from_artifact(artifact, adapter.head_dim, folded, layer_devices(adapter))
+        budgets = layer_budgets_from_artifact(artifact, knobs, range(config.dense_layers, adapter.num_layers))
+        return InfiniGenSelector(knobs, adapter, projections, budgets)
     if cls is OracleSelector:
         return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())
     return cls(knobs, adapter)

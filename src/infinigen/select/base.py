@@ -7,8 +7,9 @@ attention) lives in a per-layer state object it creates, so that one selector se
 of a cache and the evaluator can replay the exact same calls.
 
 Call order for one layer: `on_append` of the prefill's keys, `on_prefill`; then per decode step
-`select` (for the coming step, before its key exists), `on_append` of the step's key, `observe`
-of the step's attention weights.
+`select` (for the coming step, before its key exists), `on_append` of the step's key, `correct`
+(the layer's own query has arrived: a small second selection, fetched as a second transfer, or
+None), `observe` of the step's attention weights.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class Selector:
         self.knobs = knobs
         self.adapter = adapter
 
+    def budget(self, layer: int) -> float:
+        """The fraction of the context this selector may fetch at `layer` (what `summary()`
+        reports next to what it did fetch)."""
+        return self.knobs.budget
+
     def new_state(self, layer: int) -> Any:
         return None
 
@@ -64,6 +70,15 @@ class Selector:
         query: [B, H, d] post-RoPE, unscaled (see `query_from`), or None; valid: [B, Hkv, past],
         the positions that exist (real tokens still stored)."""
         raise NotImplementedError
+
+    def correct(
+        self, state: Any, layer: int, query: torch.Tensor, past: int, valid: torch.Tensor, selection: Selection
+    ) -> Selection | None:
+        """Positions of [0, past) to fetch in addition to `selection`, chosen with the layer's own
+        query [B, H, d] (post-RoPE, unscaled) once it exists; None (the default): nothing.
+        Disjoint from `selection`; what it returns is fetched after the layer's first transfer,
+        so its wait is not overlapped."""
+        return None
 
     def observe(
         self, state: Any, layer: int, selection: Selection, probs: torch.Tensor, self_prob: torch.Tensor

@@ -1,6 +1,20 @@
 """`infinigen`: speculate layer i's attention from layer i-1's input (partial query of layer i
 against the partial keys K̃ᵢ on the skewed channels), keep the positions within α of the top
-and fetch only those — one layer ahead, so the fetch overlaps layer i-1 (Lee et al., OSDI 2024)."""
+(within the layer's budget) and fetch only those — one layer ahead, so the fetch overlaps
+layer i-1 (Lee et al., OSDI 2024).
+
+Two additions, each a knob:
+  allocation="calibrated"  the budget is spread over the layers by their oracle recall curves,
+                           measured at calibration (`speculate.allocate_budgets`); the mean
+                           fraction is still `budget`;
+  correction=c > 0         speculate, then correct: once layer i's own query exists, it scores
+                           the partial keys already on the compute side, and the best c·context
+                           positions the speculation missed are fetched as a second transfer
+                           (`correct`, driven by the layer after its first transfer landed).
+
+The C kernel implements the threshold/budget/floor rule with one budget per call, so a per-layer
+budget uses it too; blocks (`block_tokens` > 1) and the correction's top-up run on the tensor
+path (`speculate.select_blocks`, `speculate.top_up`)."""
 
 from __future__ import annotations
 
@@ -15,11 +29,14 @@ from infinigen.select.base import Selector
 from infinigen.speculate import (
     Selection,
     aggregate_group,
+    allocate_budgets,
     is_all_valid,
     partial_projection,
     partial_scores,
     project_partial,
     select_blocks,
+    selection_mask,
+    top_up,
 )
 
 
@@ -40,16 +57,33 @@ class PartialKeys:
 class InfiniGenSelector(Selector):
     name = "infinigen"
     Knobs = SpeculationKnobs
-    query_from = "previous"
 
-    def __init__(self, knobs: SpeculationKnobs, adapter, projections: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        knobs: SpeculationKnobs,
+        adapter,
+        projections: dict[int, torch.Tensor],
+        layer_budgets: dict[int, float] | None = None,
+    ) -> None:
         """projections: per layer, the skew columns of the partial channels [Hkv, d, c]
-        (see `projections_from_artifact`)."""
+        (see `projections_from_artifact`); layer_budgets: per speculated layer, its fraction
+        (allocation "calibrated"; `speculate.allocate_budgets`), else `budget` everywhere."""
         super().__init__(knobs, adapter)
         self.proj = projections
+        self.layer_budgets = dict(layer_budgets or {})
+
+    @property
+    def query_from(self) -> str:  # type: ignore[override]
+        """ "previous" (the method: one layer ahead), or "own" when measuring without the
+        previous layer's error (`speculate_from`)."""
+        return self.knobs.speculate_from
 
     def alpha(self, layer: int) -> float:
         return float(self.knobs.layer_alpha.get(layer, self.knobs.alpha))
+
+    def budget(self, layer: int) -> float:
+        """This layer's fraction of the context: its calibrated share, or the budget."""
+        return self.layer_budgets.get(layer, self.knobs.budget)
 
     def new_state(self, layer: int) -> PartialKeys:
         return PartialKeys()
@@ -67,18 +101,45 @@ class InfiniGenSelector(Selector):
     def select(self, state, layer, query, past, valid) -> Selection:
         k = self.knobs
         keys = state.buffer.full
+        budget = self.budget(layer)
         if k.block_tokens <= 1 and keys.dtype == torch.float32 and keys.device.type == "cpu" and kernels.available():
             # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
             q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
             q_scaled = q_part.to(torch.float32) * self.adapter.scaling(layer)
             idx, counts = kernels.select(
                 keys, past, q_scaled, None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
-                k.budget, k.budget_tokens, k.min_tokens,
+                budget, k.budget_tokens, k.min_tokens,
             )  # fmt: skip
             slots = torch.arange(idx.shape[-1], device=idx.device)
             return Selection(idx, slots < counts[..., None])
         g = self.scores(state, layer, query, past, valid)
-        return select_blocks(g, valid, k.block_tokens, self.alpha(layer), k.budget, k.budget_tokens, k.min_tokens)
+        return select_blocks(g, valid, k.block_tokens, self.alpha(layer), budget, k.budget_tokens, k.min_tokens)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        if self.layer_budgets:
+            out["layer_budgets"] = {str(i): round(b, 5) for i, b in sorted(self.layer_budgets.items())}
+        return out
+
+    def correct(self, state, layer, query, past, valid, selection: Selection) -> Selection | None:
+        """The top-up: layer i's own query against the partial keys; the ceil(correction ·
+        context) best positions the speculated `selection` does not hold."""
+        if self.knobs.correction <= 0 or past == 0:
+            return None
+        g = self.scores(state, layer, query, past, valid)
+        ctx = valid.sum(-1) if not is_all_valid(valid) else torch.full(g.shape[:2], past, device=g.device)
+        count = torch.ceil(ctx.to(torch.float64) * self.knobs.correction).to(torch.long)
+        return top_up(g, valid, selection_mask(selection, past), count)
+
+
+def layer_budgets_from_artifact(artifact, knobs: SpeculationKnobs, layers: range) -> dict[int, float]:
+    """Per speculated layer, its fraction of the context under `knobs.allocation`: empty for
+    "uniform" (every layer takes `budget`), else the calibrated spread of `budget`."""
+    if knobs.allocation != "calibrated" or knobs.budget >= 1.0:
+        return {}
+    if not artifact.recall_curves or artifact.recall_grid is None:
+        raise ValueError("allocation 'calibrated' needs a skew artifact with recall curves: recalibrate it")
+    return allocate_budgets({i: artifact.recall_curves[i] for i in layers}, artifact.recall_grid, knobs.budget)
 
 
 def projections_from_artifact(artifact, head_dim: int, folded: bool, device) -> dict[int, torch.Tensor]:

@@ -22,7 +22,7 @@ from torch import nn
 
 from infinigen.errors import InfiniGenError
 
-FORMAT_VERSION = "2"  # 2: with a checksum of the contents
+FORMAT_VERSION = "3"  # 2: with a checksum of the contents; 3: with the oracle's recall curves
 _REQUIRED = ("fingerprint", "partial_ratio", "skewed", "calibration_tokens", "checksum")
 
 
@@ -85,7 +85,10 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 @dataclass
 class SkewArtifact:
-    """Per-layer skew A [Hkv, d, d] (None: identity) and partial channels [Hkv, c]."""
+    """Per-layer skew A [Hkv, d, d] (None: identity) and partial channels [Hkv, c]; and, from
+    the same calibration, each layer's oracle recall curve (mean attention mass held by the
+    true top fraction f of the context, at each f of `recall_grid`), from which the selector
+    spreads a budget over the layers (`speculate.allocate_budgets`)."""
 
     skews: dict[int, torch.Tensor | None]
     channels: dict[int, torch.Tensor]
@@ -94,6 +97,8 @@ class SkewArtifact:
     skewed: bool
     calibration_tokens: int
     meta: dict[str, str] = field(default_factory=dict)
+    recall_curves: dict[int, torch.Tensor] = field(default_factory=dict)
+    recall_grid: torch.Tensor | None = None
 
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
@@ -102,6 +107,10 @@ class SkewArtifact:
         for i, a in self.skews.items():
             if a is not None:
                 tensors[f"layer.{i}.skew"] = a.to(torch.float32).contiguous()
+        for i, curve in self.recall_curves.items():
+            tensors[f"layer.{i}.recall"] = curve.to(torch.float32).contiguous()
+        if self.recall_grid is not None:
+            tensors["recall_grid"] = self.recall_grid.to(torch.float32).contiguous()
         meta = dict(self.meta)
         meta.pop("checksum", None)
         meta.update(
@@ -143,6 +152,7 @@ class SkewArtifact:
             layers = sorted({int(k.split(".")[1]) for k in tensors if k.endswith(".channels")})
             skews = {i: tensors.get(f"layer.{i}.skew") for i in layers}
             channels = {i: tensors[f"layer.{i}.channels"] for i in layers}
+            curves = {i: tensors[f"layer.{i}.recall"] for i in layers if f"layer.{i}.recall" in tensors}
             ratio, tokens = float(meta["partial_ratio"]), int(meta["calibration_tokens"])
         except (ValueError, KeyError, IndexError) as exc:
             raise refuse(f"is malformed ({exc})") from exc
@@ -154,6 +164,8 @@ class SkewArtifact:
             skewed=meta["skewed"] == "True",
             calibration_tokens=tokens,
             meta={k: v for k, v in meta.items() if k not in {"fingerprint", "partial_ratio", "skewed", "checksum"}},
+            recall_curves=curves,
+            recall_grid=tensors.get("recall_grid"),
         )
 
     def verify(

@@ -19,6 +19,9 @@ from tqdm.auto import tqdm
 from infinigen.models import ModelAdapter
 from infinigen.skew.artifact import SkewArtifact, model_fingerprint
 from infinigen.skew.channels import skew_from_qk
+from infinigen.speculate import RECALL_GRID, oracle_recall_curve
+
+RECALL_QUERIES = 48  # decode positions sampled per layer for the recall curves
 
 MAX_DEFAULT_CALIBRATION = 8192
 
@@ -114,10 +117,16 @@ def calibrate(
     qs, ks = collect_qk(model, adapter, input_ids, progress=progress)
     skews: dict[int, torch.Tensor | None] = {}
     channels: dict[int, torch.Tensor] = {}
+    curves: dict[int, torch.Tensor] = {}
+    grid = torch.tensor(RECALL_GRID)
+    t = int(input_ids.shape[-1])
+    # decode positions over the last three quarters of the text: contexts from T/4 to T
+    positions = torch.linspace(max(t // 4, 1), t - 1, min(RECALL_QUERIES, max(t - t // 4 - 1, 1))).round().long()
     for i in range(adapter.num_layers):
         a, c = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, partial_ratio, skewed)
         skews[i] = a if skewed else None
         channels[i] = c
+        curves[i] = oracle_recall_curve(qs[i], ks[i], positions.unique(), adapter.scaling(i), grid)
     return SkewArtifact(
         skews=skews,
         channels=channels,
@@ -126,4 +135,6 @@ def calibrate(
         skewed=skewed,
         calibration_tokens=int(input_ids.shape[-1]),
         meta={"model_type": str(model.config.model_type)},
+        recall_curves=curves,
+        recall_grid=grid,
     )
