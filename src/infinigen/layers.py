@@ -495,10 +495,10 @@ class OffloadedLayer(SessionLayer):
         """Mean over (batch, KV head) rows of selected / real context (computed on the prefetch
         thread, whose host sync costs the compute nothing)."""
         if not self.positions.padded:
-            return selection.counts.to(torch.float32).mean() / max(past, 1)
+            return selection.counts.to(torch.float64).mean() / max(past, 1)
         context = self.positions.upto(selection.valid.shape[0], past, selection.valid.device).sum(-1)
-        ctx = context.clamp(min=1).to(torch.float32)[:, None]
-        return (selection.counts.to(torch.float32) / ctx).mean()
+        ctx = context.clamp(min=1).to(torch.float64)[:, None]
+        return (selection.counts.to(torch.float64) / ctx).mean()
 
     def _count_step(self, fraction: float) -> None:
         self.stats.steps += 1

@@ -231,7 +231,7 @@ class ForcedLayer(SessionLayer):
             row = scores[:, :, s, : past + 1].masked_fill(~allowed.repeat_interleave(g, 1), -math.inf)
             p = torch.softmax(row, -1)
             selector.observe(state, i, sel, p.gather(-1, sel.indices.repeat_interleave(g, 1)), p[..., past])
-            frac_sum += (sel.counts.to(torch.float32) / max(past, 1)).mean().item()
+            frac_sum += (sel.counts.to(torch.float64) / max(past, 1)).mean().item()
             n = int(sel.valid.sum())
             record.rows += n
             record.bytes += n * per_row
