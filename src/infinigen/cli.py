@@ -373,7 +373,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "commit": code,
         "machine": machine(),
         "kv_dtype": settings.kv_dtype,
-        "command": "infinigen " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("infinigen") else " ".join(sys.argv),
+        "command": "infinigen " + " ".join(sys.argv[1:]),  # as typed, however it was launched (no local paths)
         "settings": {k: v for k, v in vars(settings).items()},
         "suites": suites,
         "seconds": time.time() - start,
