@@ -5,6 +5,7 @@ The thread engine delays every copy, so a reader that does not wait for a transf
 the old contents of its buffer and the comparison with the RAM tier fails.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -61,18 +62,24 @@ def _check_against_ram(engine, device):
     pin.close()
 
 
-def test_pinned_tier_on_threads_matches_ram_tier():
-    engine = ThreadCopyEngine(delay=0.002)
+@contextlib.contextmanager
+def thread_engine(delay: float):
+    """A ThreadCopyEngine whose every copy waits `delay` seconds, closed afterwards."""
+    engine = ThreadCopyEngine(delay=delay)
     try:
-        _check_against_ram(engine, "cpu")
+        yield engine
     finally:
         engine.close()
 
 
+def test_pinned_tier_on_threads_matches_ram_tier():
+    with thread_engine(0.002) as engine:
+        _check_against_ram(engine, "cpu")
+
+
 def test_a_transfer_lands_only_when_waited_for():
     """The copy runs later, on the engine's queue: the buffer holds its old rows until then."""
-    engine = ThreadCopyEngine(delay=0.3)
-    try:
+    with thread_engine(0.3) as engine:
         pin = PinnedTier(1, 2, 8, torch.float16, TransferStats(), engine)
         pin.append(torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8))
         out = (torch.full((1, 2, 4, 8), -1.0), torch.full((1, 2, 4, 8), -1.0))
@@ -84,13 +91,10 @@ def test_a_transfer_lands_only_when_waited_for():
         k, v = transfer.result()
         assert (k == 1).all() and (v == 1).all() and (out[0][:, :, 2:] == -1).all()
         pin.close()
-    finally:
-        engine.close()
 
 
 def test_transfers_in_flight_into_different_buffers_do_not_share_staging():
-    engine = ThreadCopyEngine(delay=0.05)
-    try:
+    with thread_engine(0.05) as engine:
         pin = PinnedTier(1, 1, 4, torch.float32, TransferStats(), engine)
         rows = torch.arange(40, dtype=torch.float32).view(1, 1, 10, 4)
         pin.append(rows, -rows)
@@ -108,8 +112,6 @@ def test_transfers_in_flight_into_different_buffers_do_not_share_staging():
         first.result()
         assert torch.equal(again.result()[1], -rows[:, :, 4:7])
         pin.close()
-    finally:
-        engine.close()
 
 
 def test_pinned_tier_without_cuda_names_the_ways_out():

@@ -70,10 +70,6 @@ class CopyEngine(ABC):
             pair, _ = self._staging[key]
             self._staging[key] = (pair, marker)
 
-    def forget(self, key: Any) -> None:
-        with self._lock:
-            self._staging.pop(key, None)
-
     # ------------------------------------------------------------------ queues
     @abstractmethod
     def compute_marker(self) -> Any:

@@ -31,9 +31,6 @@ class EngineTransfer:
         self._engine.device_wait(self._marker)
         return self._tensors
 
-    def done(self) -> bool:
-        return True
-
 
 class PinnedTier(KVTier):
     """One layer's KV in the copy engine's host buffers (see the module docstring).
