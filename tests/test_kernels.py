@@ -70,22 +70,36 @@ def test_kernel_equals_tensor_path(agg, setting, t, padded):
         assert not idx[~slots].any()  # padding slots hold 0
 
 
-def test_kernel_mass_aggregation_matches_up_to_rounding():
-    """`mass` goes through exp and log, whose rounding differs: the selections agree wherever
-    the reference's ranking is not within rounding of its cut."""
+@pytest.mark.parametrize("t", [200, 5000])
+@pytest.mark.parametrize("spread", [0.37, 6.0])
+def test_kernel_mass_aggregation_matches_up_to_rounding(t, spread):
+    """`mass` goes through exp and log (the kernel's own float polynomials), whose rounding
+    differs: the selections agree wherever the reference's ranking is not within rounding of its
+    cut. A wide spread drives most probabilities below float's range; a long row exercises the
+    kernel's blocked sums."""
     for seed in range(4):
-        keys, query, valid = _case(seed, t=200)
-        keys = keys * 0.37  # non-integer scores: a spread of distinct values
-        ref, g = _reference(keys, query, valid, 200, "mass", math.inf, 0.1, None, 1)
-        idx, counts = kernels.select(keys, 200, query, valid, "mass", math.inf, 0.1, None, 1)
+        keys, query, valid = _case(seed, t=t)
+        keys = keys * spread  # non-integer scores: a spread of distinct values
+        ref, g = _reference(keys, query, valid, t, "mass", math.inf, 0.1, None, 1)
+        idx, counts = kernels.select(keys, t, query, valid, "mass", math.inf, 0.1, None, 1)
         assert torch.equal(counts, ref.counts)
         for bb in range(2):
             for h in range(2):
                 want = set(ref.indices[bb, h, : ref.counts[bb, h]].tolist())
                 got = set(idx[bb, h, : counts[bb, h]].tolist())
                 cut = g[bb, h, sorted(want)].min()
-                near = {p for p in range(200) if valid[bb, h, p] and abs(g[bb, h, p] - cut) < 1e-4}
+                tol = 1e-4 * max(1.0, float(cut.abs()))
+                near = {p for p in range(t) if valid[bb, h, p] and abs(g[bb, h, p] - cut) < tol}
                 assert want ^ got <= near
+
+
+@pytest.mark.parametrize("agg", ["max", "mass"])
+def test_kernel_ties_at_the_cut_never_crowd_out_a_higher_score(agg):
+    """As in the tensor path: a later, higher score is kept; the ties fill the rest, earliest first."""
+    keys = torch.full((1, 1, 1, 12), 1.0)
+    keys[0, 0, 0, 0], keys[0, 0, 0, 11] = 3.0, 2.0
+    idx, counts = kernels.select(keys, 12, torch.ones(1, 1, 1), None, agg, math.inf, 4 / 12, None, 1)
+    assert counts.tolist() == [[4]] and idx[0, 0].tolist() == [0, 1, 2, 11]
 
 
 def test_kernel_all_valid_view_equals_explicit_mask_and_honours_room():

@@ -67,6 +67,17 @@ def test_threshold_cap_floor_match_brute_force(seed, alpha, budget, budget_token
             assert all(valid[b, k, p] for p in ordered)
 
 
+def test_ties_at_the_cut_never_crowd_out_a_higher_score():
+    """Many positions tied at the count-th score, one higher score after them: the higher one is
+    kept and the ties fill the rest of the count, earliest first."""
+    g = torch.full((1, 1, 12), 1.0)
+    g[0, 0, 0] = 3.0
+    g[0, 0, 11] = 2.0  # above every tie, after them
+    valid = torch.ones(1, 1, 12, dtype=torch.bool)
+    sel = select_positions(g, valid, math.inf, budget=4 / 12)
+    assert sel.indices[0, 0][sel.valid[0, 0]].tolist() == [0, 1, 2, 11]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_positions_missing_for_one_head_only_are_never_selected(seed):
     """A capped pool evicts per KV head: each head selects among its own positions, its

@@ -160,9 +160,13 @@ def select_positions(
         ranked = group_scores if is_all_valid(valid) else group_scores.masked_fill(~valid, -math.inf)
         best = torch.topk(ranked, k, dim=-1, sorted=True).values
         kth = best.gather(-1, (count - 1).clamp(min=0, max=k - 1)[..., None])  # used where adjust only
-        keep = torch.where(adjust[..., None], (group_scores >= kth) & valid, keep)
-        rank = keep.long().cumsum(-1) - 1
-        keep &= rank < count[..., None]  # exact ties at the cut never push a row past its count
+        # Everything above the cut is kept; exact ties at the cut fill the rest of the count,
+        # earliest first (they never push a row past its count, nor crowd out a higher score).
+        above = (group_scores > kth) & valid
+        ties = (group_scores == kth) & valid
+        room = count - above.sum(-1)
+        cut = above | (ties & (ties.long().cumsum(-1) <= room[..., None]))
+        keep = torch.where(adjust[..., None], cut, keep)
     return selection_from_mask(keep, count)
 
 

@@ -22,6 +22,50 @@ enum { TILE = 64, MAX_GROUP = 16 };
 
 static inline float maxf(float a, float b) { return a > b ? a : b; }
 
+/* exp and log in float, branch-free so that the position loops vectorize (libm's exp and log
+ * are scalar calls). Cephes' single-precision polynomials: relative error about 2e-7 over the
+ * range used here. exp_f(-inf) is 0 and exp_f saturates instead of overflowing; log_f expects
+ * x > 0 (callers pass a sum that holds at least exp(0) = 1). */
+static inline float exp_f(float x) {
+    const float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(c * 1.44269504088896341f + 0.5f);
+    const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
+static inline float log_f(float x) {
+    union { int32_t i; float f; } u = {.f = x};
+    float e = (float)((u.i >> 23) - 126);
+    u.i = (u.i & 0x007fffff) | 0x3f000000; /* mantissa in [0.5, 1) */
+    float m = u.f;
+    const int small = m < 0.707106781186547524f;
+    e = small ? e - 1.0f : e;
+    m = small ? m + m - 1.0f : m - 1.0f;
+    const float z = m * m;
+    float p = 7.0376836292e-2f;
+    p = p * m - 1.1514610310e-1f;
+    p = p * m + 1.1676998740e-1f;
+    p = p * m - 1.2420140846e-1f;
+    p = p * m + 1.4249322787e-1f;
+    p = p * m - 1.6668057665e-1f;
+    p = p * m + 2.0000714765e-1f;
+    p = p * m - 2.4999993993e-1f;
+    p = p * m + 3.3333331174e-1f;
+    float y = m * z * p;
+    y += -2.12194440e-4f * e;
+    y += -0.5f * z;
+    return m + y + 0.693359375f * e;
+}
+
 static void swapf(float *a, float *b) { float t = *a; *a = *b; *b = t; }
 
 /* The k-th largest (0-based) of x[0..n), n > k; reorders x. */
@@ -78,8 +122,8 @@ static void score_row(const float *k, int64_t ld, const float *q, int64_t G, int
 }
 
 /* z[t]: the group's scores aggregated per position (see speculate.aggregate_group); -inf
-   where not valid (the caller has set those scores to -inf). */
-static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, float *z) {
+   where not valid (the caller has set those scores to -inf). acc: [T] scratch. */
+static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, float *z, float *acc) {
     if (mode == AGG_UNION || mode == AGG_MASS) {
         for (int64_t g = 0; g < G; g++) {
             float *s = scores + g * T;
@@ -87,23 +131,37 @@ static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, float *
             if (mode == AGG_UNION) {
                 const float off = top > -1e30f ? top : -1e30f; /* an all -inf row stays -inf */
                 for (int64_t t = 0; t < T; t++) s[t] -= off;
-            } else { /* log_softmax over the valid positions */
+            } else if (top > -INFINITY) { /* log_softmax over the valid positions */
+                /* float lanes over runs of 64 tiles (vectorized), folded into a double sum */
                 double sum = 0.0;
-                for (int64_t t = 0; t < T; t++) sum += exp((double)(s[t] - top));
-                const float lse = top + (float)log(sum);
-                for (int64_t t = 0; t < T; t++) s[t] -= lse;
+                int64_t t = 0;
+                while (t + TILE <= T) {
+                    float lane[TILE] = {0.0f};
+                    for (int64_t run = 0; run < 64 && t + TILE <= T; run++, t += TILE)
+                        for (int64_t i = 0; i < TILE; i++) lane[i] += exp_f(s[t + i] - top);
+                    for (int64_t i = 0; i < TILE; i++) sum += lane[i];
+                }
+                for (; t < T; t++) sum += exp_f(s[t] - top);
+                const float lse = top + log_f((float)sum);
+                for (t = 0; t < T; t++) s[t] -= lse;
             }
         }
     }
     memcpy(z, scores, (size_t)T * sizeof(float));
     if (mode == AGG_MASS) {
+        /* z = m + log sum_g exp(s_g - m), m the group's largest (the sum is then >= 1); one
+           pass per head over the positions, so that each loop vectorizes */
+        for (int64_t g = 1; g < G; g++)
+            for (int64_t t = 0; t < T; t++) z[t] = maxf(scores[g * T + t], z[t]);
+        for (int64_t t = 0; t < T; t++) acc[t] = 0.0f;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t t = 0; t < T; t++) {
+                const float m = z[t] > -INFINITY ? z[t] : 0.0f;
+                acc[t] += exp_f(scores[g * T + t] - m);
+            }
         for (int64_t t = 0; t < T; t++) {
-            float m = scores[t];
-            for (int64_t g = 1; g < G; g++) m = maxf(scores[g * T + t], m);
-            if (m == -INFINITY) { z[t] = -INFINITY; continue; }
-            double e = 0.0;
-            for (int64_t g = 0; g < G; g++) e += exp((double)(scores[g * T + t] - m));
-            z[t] = m + (float)log(e);
+            const float lz = z[t] + log_f(acc[t] > 1.0f ? acc[t] : 1.0f);
+            z[t] = z[t] > -INFINITY ? lz : -INFINITY;
         }
     } else if (mode == AGG_SUM) {
         for (int64_t g = 1; g < G; g++)
@@ -134,7 +192,7 @@ int64_t ig_select(const float *keys, int64_t key_row_stride, int64_t ld, const f
         }
         out_count[r] = 0;
         if (ctx == 0) continue;
-        aggregate_row(scores, G, T, mode, z);
+        aggregate_row(scores, G, T, mode, z, tmp);
         for (int64_t t = 0; t < T; t++) z[t] = z[t] == z[t] ? z[t] : -INFINITY; /* a NaN never selects */
 
         /* threshold, cap, floor */
@@ -157,9 +215,15 @@ int64_t ig_select(const float *keys, int64_t key_row_stride, int64_t ld, const f
             for (int64_t t = 0; t < T; t++) if (!vr || vr[t]) tmp[n++] = z[t];
             cut = kth_largest(tmp, n, count - 1);
         }
-        int64_t *out = out_idx + r * T, m = 0;
-        for (int64_t t = 0; t < T && m < count; t++)
-            if ((!vr || vr[t]) && z[t] >= cut) out[m++] = t;
+        /* everything above the cut, and exact ties at the cut, earliest first, up to the count */
+        int64_t above = 0;
+        for (int64_t t = 0; t < T; t++) above += (!vr || vr[t]) && z[t] > cut;
+        int64_t *out = out_idx + r * T, m = 0, ties = count - above;
+        for (int64_t t = 0; t < T && m < count; t++) {
+            if (vr && !vr[t]) continue;
+            if (z[t] > cut) out[m++] = t;
+            else if (z[t] == cut && ties > 0) { out[m++] = t; ties--; }
+        }
         out_count[r] = m;
         if (m > widest) widest = m;
     }
