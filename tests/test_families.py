@@ -70,6 +70,23 @@ def test_infinigen_selects_on_each(name):
     assert 0.0 < s["recall"] <= 1.0 + 1e-6
 
 
+@pytest.mark.parametrize("name", ["gemma3", "qwen2-hybrid"])
+def test_calibrated_budgets_average_over_the_selecting_layers_only(name):
+    """On a hybrid model the budget is the mean over the layers that select (global, not dense):
+    local layers get no share of it, so the selecting layers' fractions average to the budget."""
+    model = tiny_variant(name)
+    ids, mask = _batch()
+    config = InfiniGenConfig(budget=0.3, allocation="calibrated", calibration_tokens=64)
+    with attach(model, config, progress=False) as session:
+        cache = session.new_cache()
+        _generate(model, ids, mask, cache, new=2)
+    per_layer = cache.summary()["per_layer"]
+    selecting = [p for p in per_layer if p["role"] == "select"]
+    assert selecting and all(not session.adapter.is_local(p["layer"]) for p in selecting)
+    assert all(p["budget"] is None for p in per_layer if p["role"] != "select")
+    assert sum(p["budget"] for p in selecting) / len(selecting) == pytest.approx(0.3, abs=1e-9)
+
+
 @pytest.mark.parametrize("name", HYBRID)
 def test_local_layers_hold_only_their_window(name):
     """Local layers keep window - 1 positions with the compute and are never offloaded: the

@@ -25,7 +25,7 @@ from infinigen.config import POLICIES, ConfigError, add_arguments, from_argument
 from infinigen.errors import InfiniGenError, InputError
 
 DEMO_PROMPT = "areopagitica_opening.txt"
-DEMO_PROMPT_TOKENS = 6000
+DEMO_PROMPT_TOKENS = 8000  # near SmolLM2's 8192 positions: the long context the method is for
 # What the commands that run a model store their KV in by default (the library keeps the
 # compute dtype): 16-bit storage, compute in fp32.
 RUN_DEFAULTS = {"kv_dtype": "float16"}

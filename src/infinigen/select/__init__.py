@@ -34,7 +34,9 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
         if artifact is None:
             raise ValueError("the infinigen selector needs the skew artifact of an attach session")
         projections = projections_from_artifact(artifact, adapter.head_dim, folded, layer_devices(adapter))
-        budgets = layer_budgets_from_artifact(artifact, knobs, range(config.dense_layers, adapter.num_layers))
+        # the budget's mean is over the layers that select (not dense, not sliding-window ones)
+        selecting = [i for i in range(adapter.num_layers) if config.layer_role(i, adapter.is_local(i)) == "select"]
+        budgets = layer_budgets_from_artifact(artifact, knobs, selecting)
         return InfiniGenSelector(knobs, adapter, projections, budgets)
     if cls is OracleSelector:
         return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())

@@ -132,7 +132,7 @@ class InfiniGenSelector(Selector):
         return top_up(g, valid, selection_mask(selection, past), count)
 
 
-def layer_budgets_from_artifact(artifact, knobs: SpeculationKnobs, layers: range) -> dict[int, float]:
+def layer_budgets_from_artifact(artifact, knobs: SpeculationKnobs, layers: list[int]) -> dict[int, float]:
     """Per speculated layer, its fraction of the context under `knobs.allocation`: empty for
     "uniform" (every layer takes `budget`), else the calibrated spread of `budget`."""
     if knobs.allocation != "calibrated" or knobs.budget >= 1.0:
