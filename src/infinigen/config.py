@@ -65,6 +65,7 @@ POLICIES: dict[str, PolicySpec] = {
 }
 AGGREGATIONS = ("max", "sum", "union", "mass")
 ALLOCATIONS = ("uniform", "calibrated")
+CHANNEL_ALLOCATIONS = ("uniform", "calibrated")
 SPECULATION_INPUTS = ("previous", "own")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
 TIERS = ("ram", "disk", "pinned")
@@ -172,6 +173,13 @@ class SpeculationKnobs(SelectionBudget):
         "how the budget is spread over the speculated layers: uniform (the same fraction each) or calibrated "
         "(per-layer fractions with the same mean, from the oracle recall curves in the skew artifact)",
         one_of(ALLOCATIONS),
+    )
+    channel_allocation: str = knob(
+        "uniform",
+        "how partial channels are spread over the speculated layers: uniform (round(partial_ratio x head_dim) "
+        "each) or calibrated (per-layer counts with that mean, from the partial-score recall measured at "
+        "calibration and stored in the skew artifact)",
+        one_of(CHANNEL_ALLOCATIONS),
     )
     correction: float = knob(
         0.0,

@@ -379,6 +379,89 @@ def allocate_budgets(
     return {i: float(min(f, 1.0)) for i, f in zip(layers, fractions.tolist())}
 
 
+# ---------------------------------------------------------------------- per-layer channel counts
+CHANNEL_EIGHTHS = (1, 2, 3, 4, 5, 6, 8)  # channel counts measured at calibration, in eighths of d
+CHANNEL_RECALL_FRACTIONS = (0.05, 0.1, 0.2)  # fetched fractions the partial recall is averaged over
+
+
+def channel_grid(head_dim: int) -> list[int]:
+    """The channel counts whose partial recall calibration measures (ascending, distinct)."""
+    return sorted({max(1, min(head_dim, round(e * head_dim / 8))) for e in CHANNEL_EIGHTHS})
+
+
+def partial_recall_table(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    scaling: float,
+    skew: torch.Tensor | None,
+    order: torch.Tensor,
+    counts: list[int],
+    fractions: tuple[float, ...] = CHANNEL_RECALL_FRACTIONS,
+) -> torch.Tensor:
+    """Recall of speculating with the top-c skewed channels, for each c of `counts`.
+
+    query [H, T, d], key [Hkv, T, d] (post-RoPE, one sequence); skew [Hkv, d, d] (None: identity);
+    order [Hkv, d]: the skewed channels ranked (`skew_from_qk`), of which the first c are kept.
+    At each sampled query position p (attending to the p positions before it, as a decode step
+    does), each KV head keeps the ceil(f * p) positions of largest `mass`-aggregated partial
+    score, and the recall is the true attention mass they hold, averaged over the query heads,
+    the positions and the fractions f of `fractions`. Returns [len(counts)] (float32)."""
+    h, t, d = query.shape
+    hkv = key.shape[0]
+    g = h // hkv
+    a = skew.to(torch.float32) if skew is not None else torch.eye(d).expand(hkv, d, d)
+    cols = torch.gather(a, 2, order[:, None, :].expand(hkv, d, d))  # skew columns in rank order
+    qa = torch.matmul(query.to(torch.float32).reshape(hkv, g * t, d), cols).reshape(hkv, g, t, d)
+    ka = torch.matmul(key.to(torch.float32), cols)  # [Hkv, T, d]
+    frac = torch.tensor(fractions, dtype=torch.float64)
+    out = torch.zeros(len(counts), dtype=torch.float64)
+    for p in positions.tolist():
+        q = query[:, p].to(torch.float32).reshape(hkv, g, 1, d)
+        s = torch.matmul(q, key[:, None, :p].to(torch.float32).transpose(-1, -2))[:, :, 0] * scaling  # [Hkv, G, p]
+        probs = torch.softmax(s, -1)
+        keep = torch.ceil(frac * p).long().clamp(1, p)
+        partial = torch.zeros(hkv, g, p)
+        low = 0
+        for j, c in enumerate(counts):  # partial scores grow by the channels [low, c)
+            partial += torch.matmul(qa[:, :, p, low:c], ka[:, :p, low:c].transpose(-1, -2))
+            low = c
+            ranked = torch.logsumexp(torch.log_softmax(partial * scaling, -1), 1).argsort(-1, descending=True)
+            cum = probs.gather(-1, ranked[:, None, :].expand(hkv, g, p)).cumsum(-1)
+            out[j] += cum[..., keep - 1].mean().to(torch.float64)
+    return (out / max(len(positions), 1)).to(torch.float32)
+
+
+def allocate_channels(
+    tables: dict[int, torch.Tensor], counts: list[int] | torch.Tensor, ratio: float, head_dim: int
+) -> dict[int, int]:
+    """Per-layer channel counts whose mean is `ratio * head_dim` (or the nearest below that
+    integer counts allow), each in [head_dim / 8, head_dim], spread to maximise the summed
+    partial recall of the layers' tables (recall at each count of `counts`, from calibration).
+
+    The same greedy as `allocate_budgets`, one channel per step: every layer starts at the
+    floor, each table is interpolated to every integer count and made concave, and the
+    largest marginal gains overall are taken."""
+    layers = sorted(tables)
+    cap = head_dim
+    total = math.floor(len(layers) * ratio * head_dim + 1e-9)
+    floor = max(1, min(head_dim // 8, total // max(len(layers), 1)))
+    if not layers or total >= len(layers) * cap:
+        return {i: cap for i in layers}
+    fine = torch.arange(floor, cap + 1, dtype=torch.float64)
+    xp = torch.as_tensor(counts, dtype=torch.float64)
+    gains = []
+    for i in layers:
+        r = _interp(fine, xp, tables[i].to(torch.float64)) if len(xp) > 1 else fine * 0
+        gains.append(torch.cummin(r.diff(), 0).values)  # concave envelope: gains never increase
+    gains = torch.stack(gains)  # [L, cap - floor]
+    take = total - len(layers) * floor
+    flat = gains.T.flatten()  # step-major: equal gains alternate layers
+    chosen = torch.argsort(flat, descending=True, stable=True)[:take]
+    extra = torch.bincount(chosen % len(layers), minlength=len(layers))
+    return {i: int(floor + e) for i, e in zip(layers, extra.tolist())}
+
+
 def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
     """Piecewise-linear interpolation of (xp, fp) at x (xp ascending; clamped at the ends)."""
     idx = torch.searchsorted(xp, x).clamp(1, len(xp) - 1)

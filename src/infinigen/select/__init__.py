@@ -12,7 +12,13 @@ import torch
 from infinigen.config import POLICIES, InfiniGenConfig
 from infinigen.select.base import Selector
 from infinigen.select.h2o import H2OSelector
-from infinigen.select.infinigen import InfiniGenSelector, layer_budgets_from_artifact, projections_from_artifact
+from infinigen.select.infinigen import (
+    InfiniGenSelector,
+    channels_from_artifact,
+    layer_budgets_from_artifact,
+    layer_channels_from_artifact,
+    projections_from_artifact,
+)
 from infinigen.select.oracle import OracleSelector
 from infinigen.select.quest import QuestSelector
 from infinigen.select.streaming import StreamingSelector
@@ -33,11 +39,14 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
     if cls is InfiniGenSelector:
         if artifact is None:
             raise ValueError("the infinigen selector needs the skew artifact of an attach session")
-        projections = projections_from_artifact(artifact, adapter.head_dim, folded, layer_devices(adapter))
-        # the budget's mean is over the layers that select (not dense, not sliding-window ones)
+        # the budget's and the channel count's means are over the layers that select (not
+        # dense, not sliding-window ones)
         selecting = [i for i in range(adapter.num_layers) if config.layer_role(i, adapter.is_local(i)) == "select"]
+        counts = layer_channels_from_artifact(artifact, knobs, selecting, adapter.head_dim)
+        channels = channels_from_artifact(artifact, counts)
+        projections = projections_from_artifact(artifact, adapter.head_dim, folded, layer_devices(adapter), channels)
         budgets = layer_budgets_from_artifact(artifact, knobs, selecting)
-        return InfiniGenSelector(knobs, adapter, projections, budgets)
+        return InfiniGenSelector(knobs, adapter, projections, budgets, selecting)
     if cls is OracleSelector:
         return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())
     return cls(knobs, adapter)

@@ -7,6 +7,9 @@ Two additions, each a knob:
   allocation="calibrated"  the budget is spread over the layers by their oracle recall curves,
                            measured at calibration (`speculate.allocate_budgets`); the mean
                            fraction is still `budget`;
+  channel_allocation="calibrated"  the partial channels are spread over the layers by the
+                           recall of speculating with c channels, measured at calibration
+                           (`speculate.allocate_channels`); the mean count is still r·d;
   correction=c > 0         speculate, then correct: once layer i's own query exists, it scores
                            the partial keys already on the compute side, and the best c·context
                            positions the speculation missed are fetched as a second transfer
@@ -30,6 +33,7 @@ from infinigen.speculate import (
     Selection,
     aggregate_group,
     allocate_budgets,
+    allocate_channels,
     is_all_valid,
     partial_projection,
     partial_scores,
@@ -64,13 +68,20 @@ class InfiniGenSelector(Selector):
         adapter,
         projections: dict[int, torch.Tensor],
         layer_budgets: dict[int, float] | None = None,
+        speculated: list[int] | range | None = None,
     ) -> None:
         """projections: per layer, the skew columns of the partial channels [Hkv, d, c]
-        (see `projections_from_artifact`); layer_budgets: per speculated layer, its fraction
-        (allocation "calibrated"; `speculate.allocate_budgets`), else `budget` everywhere."""
+        (see `projections_from_artifact`; c may differ between layers); layer_budgets: per
+        speculated layer, its fraction (allocation "calibrated"; `speculate.allocate_budgets`),
+        else `budget` everywhere; speculated: the layers whose channel counts `describe` reports."""
         super().__init__(knobs, adapter)
         self.proj = projections
         self.layer_budgets = dict(layer_budgets or {})
+        self.speculated = speculated if speculated is not None else range(0)
+
+    def channels(self, layer: int) -> int:
+        """The number of partial channels this layer speculates with."""
+        return int(self.proj[layer].shape[-1])
 
     @property
     def query_from(self) -> str:  # type: ignore[override]
@@ -119,6 +130,9 @@ class InfiniGenSelector(Selector):
         out = super().describe()
         if self.layer_budgets:
             out["layer_budgets"] = {str(i): round(b, 5) for i, b in sorted(self.layer_budgets.items())}
+        layers = [i for i in self.speculated if i in self.proj]
+        if layers:
+            out["layer_channels"] = {str(i): self.channels(i) for i in layers}
         return out
 
     def correct(self, state, layer, query, past, valid, selection: Selection) -> Selection | None:
@@ -142,13 +156,40 @@ def layer_budgets_from_artifact(artifact, knobs: SpeculationKnobs, layers: list[
     return allocate_budgets({i: artifact.recall_curves[i] for i in layers}, artifact.recall_grid, knobs.budget)
 
 
-def projections_from_artifact(artifact, head_dim: int, folded: bool, device) -> dict[int, torch.Tensor]:
+def layer_channels_from_artifact(artifact, knobs: SpeculationKnobs, layers: list[int], head_dim: int) -> dict[int, int]:
+    """Per speculated layer, its channel count under `knobs.channel_allocation`: empty for
+    "uniform" (every layer keeps the artifact's round(r·d) channels), else the calibrated
+    spread of r·d (`speculate.allocate_channels`)."""
+    if knobs.channel_allocation != "calibrated" or not len(layers):
+        return {}
+    if not artifact.has_channel_recall():
+        raise ValueError(
+            "channel_allocation 'calibrated' needs a skew artifact with channel recall tables: recalibrate it"
+        )
+    grid = artifact.channel_grid.tolist()
+    tables = {i: artifact.channel_recall[i] for i in layers}
+    return allocate_channels(tables, grid, artifact.partial_ratio, head_dim)
+
+
+def channels_from_artifact(artifact, counts: dict[int, int]) -> dict[int, torch.Tensor]:
+    """Per layer, its partial channels [Hkv, c]: the top counts[i] of the layer's ranked
+    channels where `counts` names the layer, else the artifact's (uniform) channels."""
+    out = dict(artifact.channels)
+    for i, c in counts.items():
+        out[i] = artifact.channel_orders[i][:, :c].sort(-1).values.to(torch.long)
+    return out
+
+
+def projections_from_artifact(
+    artifact, head_dim: int, folded: bool, device, channels: dict[int, torch.Tensor] | None = None
+) -> dict[int, torch.Tensor]:
     """Per layer, the projection onto the skewed partial channels, on `device` (one device, or
     {layer: device} for a model split across devices). For a model whose skew is folded into its
-    weights (no RoPE: OPT), keys arrive already skewed: channels only."""
+    weights (no RoPE: OPT), keys arrive already skewed: channels only. `channels`: per layer,
+    the channels to use instead of the artifact's (`channels_from_artifact`)."""
     out = {}
-    for i, channels in artifact.channels.items():
+    for i, chosen in (channels if channels is not None else artifact.channels).items():
         a = None if folded else artifact.skews.get(i)
         where = device.get(i, "cpu") if isinstance(device, dict) else device
-        out[i] = partial_projection(a, channels, head_dim).to(where)
+        out[i] = partial_projection(a, chosen, head_dim).to(where)
     return out

@@ -73,7 +73,8 @@ def obtain_artifact(
     cache_dir: str | Path | None = None,
     progress: bool = True,
 ) -> SkewArtifact:
-    """The skew artifact for `model` and `knobs` (partial_ratio, skew, calibration_tokens).
+    """The skew artifact for `model` and `knobs` (partial_ratio, skew, calibration_tokens, and
+    channel_allocation: "calibrated" needs the channel recall tables, which older artifacts lack).
 
     source: an artifact or a path to one (refused, with the command that recomputes it, if it
     cannot be read, is damaged or does not match), else the cached one under `cache_dir` (if it
@@ -81,13 +82,14 @@ def obtain_artifact(
     now on the shipped prose (`tokenizer`; without one, on seeded random ids) and saved there.
     The model must not be folded yet."""
     ratio, skewed = knobs.partial_ratio, knobs.skew
+    channel_allocation = getattr(knobs, "channel_allocation", "uniform")
     if isinstance(source, SkewArtifact):
-        source.verify(fingerprint, ratio, skewed, adapter.num_layers)
+        source.verify(fingerprint, ratio, skewed, adapter.num_layers, channel_allocation=channel_allocation)
         return source
     if source is not None:
         try:
             art = SkewArtifact.load(source)
-            art.verify(fingerprint, ratio, skewed, adapter.num_layers, source)
+            art.verify(fingerprint, ratio, skewed, adapter.num_layers, source, channel_allocation)
         except SkewArtifactError as exc:
             raise refuse_given(exc, knobs) from None
         return art
@@ -97,7 +99,7 @@ def obtain_artifact(
     if path.is_file():
         try:
             art = SkewArtifact.load(path)
-            art.verify(fingerprint, ratio, skewed, adapter.num_layers, path)
+            art.verify(fingerprint, ratio, skewed, adapter.num_layers, path, channel_allocation)
             return art
         except SkewArtifactError as exc:
             warnings.warn(

@@ -88,7 +88,13 @@ class SkewArtifact:
     """Per-layer skew A [Hkv, d, d] (None: identity) and partial channels [Hkv, c]; and, from
     the same calibration, each layer's oracle recall curve (mean attention mass held by the
     true top fraction f of the context, at each f of `recall_grid`), from which the selector
-    spreads a budget over the layers (`speculate.allocate_budgets`)."""
+    spreads a budget over the layers (`speculate.allocate_budgets`).
+
+    Also from the same calibration (optional: artifacts made before it lack them, and then serve
+    only uniform channel counts): every layer's channels ranked [Hkv, d] (`channel_orders`) and
+    the recall of speculating with the top c of them at each c of `channel_grid`
+    (`channel_recall`), from which the selector spreads the channels over the layers
+    (`speculate.allocate_channels`, knob `channel_allocation`)."""
 
     skews: dict[int, torch.Tensor | None]
     channels: dict[int, torch.Tensor]
@@ -99,6 +105,16 @@ class SkewArtifact:
     meta: dict[str, str] = field(default_factory=dict)
     recall_curves: dict[int, torch.Tensor] = field(default_factory=dict)
     recall_grid: torch.Tensor | None = None
+    channel_orders: dict[int, torch.Tensor] = field(default_factory=dict)
+    channel_recall: dict[int, torch.Tensor] = field(default_factory=dict)
+    channel_grid: torch.Tensor | None = None
+
+    def has_channel_recall(self) -> bool:
+        """Whether this artifact can spread channels over the layers (`channel_allocation`)."""
+        layers = set(self.channels)
+        return (
+            self.channel_grid is not None and set(self.channel_orders) >= layers and set(self.channel_recall) >= layers
+        )
 
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
@@ -111,6 +127,12 @@ class SkewArtifact:
             tensors[f"layer.{i}.recall"] = curve.to(torch.float32).contiguous()
         if self.recall_grid is not None:
             tensors["recall_grid"] = self.recall_grid.to(torch.float32).contiguous()
+        for i, order in self.channel_orders.items():
+            tensors[f"layer.{i}.channel_order"] = order.to(torch.long).contiguous()
+        for i, table in self.channel_recall.items():
+            tensors[f"layer.{i}.channel_recall"] = table.to(torch.float32).contiguous()
+        if self.channel_grid is not None:
+            tensors["channel_grid"] = self.channel_grid.to(torch.long).contiguous()
         meta = dict(self.meta)
         meta.pop("checksum", None)
         meta.update(
@@ -153,6 +175,8 @@ class SkewArtifact:
             skews = {i: tensors.get(f"layer.{i}.skew") for i in layers}
             channels = {i: tensors[f"layer.{i}.channels"] for i in layers}
             curves = {i: tensors[f"layer.{i}.recall"] for i in layers if f"layer.{i}.recall" in tensors}
+            orders = {i: tensors[k] for i in layers if (k := f"layer.{i}.channel_order") in tensors}
+            tables = {i: tensors[k] for i in layers if (k := f"layer.{i}.channel_recall") in tensors}
             ratio, tokens = float(meta["partial_ratio"]), int(meta["calibration_tokens"])
         except (ValueError, KeyError, IndexError) as exc:
             raise refuse(f"is malformed ({exc})") from exc
@@ -166,6 +190,9 @@ class SkewArtifact:
             meta={k: v for k, v in meta.items() if k not in {"fingerprint", "partial_ratio", "skewed", "checksum"}},
             recall_curves=curves,
             recall_grid=tensors.get("recall_grid"),
+            channel_orders=orders,
+            channel_recall=tables,
+            channel_grid=tensors.get("channel_grid"),
         )
 
     def verify(
@@ -175,8 +202,10 @@ class SkewArtifact:
         skewed: bool,
         num_layers: int,
         path: str | os.PathLike | None = None,
+        channel_allocation: str = "uniform",
     ) -> None:
-        """Refuse an artifact made for another model or other settings (`path`: its file, if any)."""
+        """Refuse an artifact made for another model or other settings (`path`: its file, if any);
+        for `channel_allocation` "calibrated", also one without the channel recall tables."""
 
         def refuse(reason: str) -> SkewArtifactError:
             return SkewArtifactError(f"skew artifact{'' if path is None else f' {path}'} {reason}", path, reason)
@@ -192,6 +221,11 @@ class SkewArtifact:
             )
         if sorted(self.channels) != list(range(num_layers)):
             raise refuse(f"covers {len(self.channels)} layers, the model has {num_layers}")
+        if channel_allocation == "calibrated" and not self.has_channel_recall():
+            raise refuse(
+                "has no channel recall tables (made before per-layer channel counts), "
+                "which channel_allocation=calibrated needs"
+            )
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from infinigen.models import ModelAdapter
 from infinigen.skew.artifact import SkewArtifact, model_fingerprint
 from infinigen.skew.channels import skew_from_qk
-from infinigen.speculate import RECALL_GRID, oracle_recall_curve
+from infinigen.speculate import RECALL_GRID, channel_grid, oracle_recall_curve, partial_recall_table
 
 RECALL_QUERIES = 48  # decode positions sampled per layer for the recall curves
 
@@ -113,20 +113,31 @@ def calibrate(
     fingerprint: str | None = None,
     progress: bool = True,
 ) -> SkewArtifact:
-    """Compute the skew artifact of a (not yet folded) model from calibration ids [1, T]."""
+    """Compute the skew artifact of a (not yet folded) model from calibration ids [1, T].
+
+    Besides the skew, the channels and the oracle's recall curves, each layer gets the recall of
+    speculating with its top c skewed channels at a few c (`speculate.partial_recall_table`, at
+    the same sampled positions as the recall curves): the error of a partial score is not
+    spread evenly over the layers, so with `channel_allocation` "calibrated" the channels go
+    where they buy the most recall, at the same mean count."""
     qs, ks = collect_qk(model, adapter, input_ids, progress=progress)
     skews: dict[int, torch.Tensor | None] = {}
     channels: dict[int, torch.Tensor] = {}
+    orders: dict[int, torch.Tensor] = {}
+    tables: dict[int, torch.Tensor] = {}
+    counts = channel_grid(adapter.head_dim)
     curves: dict[int, torch.Tensor] = {}
     grid = torch.tensor(RECALL_GRID)
     t = int(input_ids.shape[-1])
     # decode positions over the last three quarters of the text: contexts from T/4 to T
     positions = torch.linspace(max(t // 4, 1), t - 1, min(RECALL_QUERIES, max(t - t // 4 - 1, 1))).round().long()
     for i in range(adapter.num_layers):
-        a, c = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, partial_ratio, skewed)
+        a, c, order = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, partial_ratio, skewed, with_order=True)
         skews[i] = a if skewed else None
         channels[i] = c
+        orders[i] = order
         curves[i] = oracle_recall_curve(qs[i], ks[i], positions.unique(), adapter.scaling(i), grid)
+        tables[i] = partial_recall_table(qs[i], ks[i], positions.unique(), adapter.scaling(i), skews[i], order, counts)
     return SkewArtifact(
         skews=skews,
         channels=channels,
@@ -137,4 +148,7 @@ def calibrate(
         meta={"model_type": str(model.config.model_type)},
         recall_curves=curves,
         recall_grid=grid,
+        channel_orders=orders,
+        channel_recall=tables,
+        channel_grid=torch.tensor(counts, dtype=torch.long),
     )

@@ -15,12 +15,16 @@ def _channel_count(ratio: float, head_dim: int) -> int:
     return max(1, min(head_dim, round(ratio * head_dim)))
 
 
-def skew_from_qk(q: torch.Tensor, k: torch.Tensor, num_kv_heads: int, ratio: float, skewed: bool):
-    """Skew and channels of one layer. q: [H, T, d]; k: [Hkv, T, d]."""
+def skew_from_qk(
+    q: torch.Tensor, k: torch.Tensor, num_kv_heads: int, ratio: float, skewed: bool, with_order: bool = False
+):
+    """Skew and channels of one layer. q: [H, T, d]; k: [Hkv, T, d]. `with_order`: also every
+    channel ranked by the same mass, largest first ([Hkv, d]; its top-c prefix is the choice of
+    c channels, which per-layer channel counts take)."""
     h, t, d = q.shape
     group = h // num_kv_heads
     c = _channel_count(ratio, d)
-    skews, chans = [], []
+    skews, chans, orders = [], [], []
     for g in range(num_kv_heads):
         qg = q[g * group : (g + 1) * group].reshape(-1, d).to(torch.float64)  # group queries stacked
         kg = k[g].to(torch.float64)
@@ -32,6 +36,10 @@ def skew_from_qk(q: torch.Tensor, k: torch.Tensor, num_kv_heads: int, ratio: flo
         mass = (qg @ a).abs().sum(0) + (kg @ a).abs().sum(0)
         chans.append(torch.topk(mass, c).indices.sort().values)
         skews.append(a.to(torch.float32))
+        if with_order:
+            orders.append(torch.argsort(mass, descending=True, stable=True))
+    if with_order:
+        return torch.stack(skews), torch.stack(chans).to(torch.long), torch.stack(orders).to(torch.long)
     return torch.stack(skews), torch.stack(chans).to(torch.long)
 
 
