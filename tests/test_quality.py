@@ -116,10 +116,27 @@ def test_greedy_by_teacher_forcing_equals_greedy_decoding(cfg):
     with runner.ev:
         prefix = runner.ev.prefill(ids)
         dense = runner.dense_greedy(prefix, n)
-        assert prefix.cache.get_seq_length() == 48  # cropped back
+        assert prefix.cache.get_seq_length() == 48  # the prefix is left as it was
         for guess in (dense, [1] * n):
             got, _, exact = runner.policy_greedy(prefix, guess, cfg, stop=set(), rounds=n)
             assert exact and got == want.tolist()
+
+
+def test_dense_greedy_on_a_hybrid_model_past_its_window():
+    """A full sliding window cannot be cropped: the dense reference decodes on a copy, equals
+    transformers' own greedy decoding, and leaves the prefix untouched (RULER on Gemma-3)."""
+    from conftest import WINDOW, tiny_variant
+
+    model = tiny_variant("gemma3")
+    ids = torch.randint(3, VOCAB, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(7))
+    n = 2 * WINDOW
+    want = model.generate(input_ids=ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1] :].tolist()
+    runner = EvalRunner(model, None, EvalSettings(), progress=False)
+    with runner.ev:
+        prefix = runner.ev.prefill(ids)
+        assert runner.dense_greedy(prefix, n) == want
+        assert prefix.cache.get_seq_length() == ids.shape[1]
+        assert runner.dense_greedy(prefix, n) == want  # the same again from the untouched prefix
 
 
 # ---------------------------------------------------------------------- RULER, offline

@@ -21,6 +21,7 @@ step-by-step decode path.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -200,17 +201,13 @@ class EvalRunner:
     # ---------------------------------------------------------------- RULER
     @torch.no_grad()
     def dense_greedy(self, prefix: Prefix, n: int) -> list[int]:
-        """n greedy tokens of the plain model after the prefix (its cache is cropped back after)."""
-        t0 = prefix.length
+        """n greedy tokens of the plain model after the prefix, decoded on a copy of its cache (a
+        sliding-window layer cannot be cropped back once its window is full)."""
+        cache = copy.deepcopy(prefix.cache)
         tokens = [int(prefix.last_logits[0].argmax())]
-        try:
-            for _ in range(n - 1):
-                out = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=prefix.cache, use_cache=True)
-                tokens.append(int(out.logits[0, -1].argmax()))
-        finally:
-            extra = prefix.cache.get_seq_length() - t0
-            if extra:
-                prefix.cache.crop(-extra)  # a negative count: tokens removed from the end
+        for _ in range(n - 1):
+            out = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
         return tokens
 
     def policy_greedy(
