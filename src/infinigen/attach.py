@@ -173,17 +173,16 @@ class Session:
 
     def _artifact_for(self, config: InfiniGenConfig) -> SkewArtifact:
         key = (round(config.partial_ratio, 6), config.skew, calibration_length(config.calibration_tokens, self.adapter))
-        if key in self._artifacts:
-            art = self._artifacts[key]
+        art = self._artifacts.get(key)
+        if art is not None:
             if config.channel_allocation != "calibrated" or art.has_channel_recall():
                 return art
-            if self._given_skew is None and not self.folded:  # an older cached file: recalibrate it
-                del self._artifacts[key]
-        if key in self._artifacts:  # given or folded: the artifact cannot be replaced
-            self._artifacts[key].verify(
-                self.fingerprint, config.partial_ratio, config.skew, self.adapter.num_layers,
-                channel_allocation=config.channel_allocation,
-            )  # fmt: skip
+            if self._given_skew is not None or self.folded:  # cannot be replaced: refused, saying why
+                art.verify(
+                    self.fingerprint, config.partial_ratio, config.skew, self.adapter.num_layers,
+                    channel_allocation=config.channel_allocation,
+                )  # fmt: skip
+            del self._artifacts[key]  # an older cached file without the tables: recalibrate it
         if self._artifacts and (self._given_skew is not None or self.folded):
             why = "the given skew artifact" if self._given_skew is not None else "the skew folded into its weights"
             raise ValueError(

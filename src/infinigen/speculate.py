@@ -359,21 +359,11 @@ def allocate_budgets(
     low = budget * floor_share
     steps = 400
     fine = torch.linspace(low, 1.0, steps + 1, dtype=torch.float64)
-    gx = grid.to(torch.float64)
-    gains = []
-    for i in layers:
-        r = _interp(fine, gx, curves[i].to(torch.float64))
-        d = r.diff()
-        d = torch.cummin(d, 0).values  # concave envelope from below: gains never increase
-        gains.append(d)
-    gains = torch.stack(gains)  # [L, steps]
     step = (1.0 - low) / steps
     take = round(len(layers) * (budget - low) / step)
     if take <= 0:
         return {i: low for i in layers}
-    flat = gains.T.flatten()  # step-major: equal gains (a straight piece of a curve) alternate layers
-    order = torch.argsort(flat, descending=True, stable=True)[:take]
-    per_layer = torch.bincount(order % len(layers), minlength=len(layers)).to(torch.float64)
+    per_layer = _greedy_steps([curves[i] for i in layers], grid, fine, take).to(torch.float64)
     fractions = (low + per_layer * step).clamp(max=1.0)
     fractions = fractions * (budget * len(layers) / fractions.sum())  # exact mean after rounding
     return {i: float(min(f, 1.0)) for i, f in zip(layers, fractions.tolist())}
@@ -449,17 +439,24 @@ def allocate_channels(
     if not layers or total >= len(layers) * cap:
         return {i: cap for i in layers}
     fine = torch.arange(floor, cap + 1, dtype=torch.float64)
-    xp = torch.as_tensor(counts, dtype=torch.float64)
-    gains = []
-    for i in layers:
-        r = _interp(fine, xp, tables[i].to(torch.float64)) if len(xp) > 1 else fine * 0
-        gains.append(torch.cummin(r.diff(), 0).values)  # concave envelope: gains never increase
-    gains = torch.stack(gains)  # [L, cap - floor]
     take = total - len(layers) * floor
-    flat = gains.T.flatten()  # step-major: equal gains alternate layers
-    chosen = torch.argsort(flat, descending=True, stable=True)[:take]
-    extra = torch.bincount(chosen % len(layers), minlength=len(layers))
+    extra = _greedy_steps([tables[i] for i in layers], torch.as_tensor(counts), fine, take)
     return {i: int(floor + e) for i, e in zip(layers, extra.tolist())}
+
+
+def _greedy_steps(curves: list[torch.Tensor], xp: torch.Tensor, fine: torch.Tensor, take: int) -> torch.Tensor:
+    """How many of `take` steps along `fine` each curve gets (curve j: values at `xp`, ascending)
+    to maximise the summed values: each curve is interpolated to `fine` and made concave
+    (marginal gains never increase), so taking the largest gains overall is the exact greedy
+    optimum. Returns [len(curves)] step counts (long)."""
+    xp = xp.to(torch.float64)
+    gains = []
+    for curve in curves:
+        r = _interp(fine, xp, curve.to(torch.float64)) if len(xp) > 1 else fine * 0
+        gains.append(torch.cummin(r.diff(), 0).values)  # concave envelope from below
+    flat = torch.stack(gains).T.flatten()  # step-major: equal gains (a straight piece) alternate curves
+    chosen = torch.argsort(flat, descending=True, stable=True)[:take]
+    return torch.bincount(chosen % len(curves), minlength=len(curves))
 
 
 def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
