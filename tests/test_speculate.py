@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from infinigen.speculate import aggregate_group, attention_recall, partial_scores, select_positions
+from infinigen.speculate import (
+    aggregate_group,
+    attention_column_sums,
+    attention_recall,
+    partial_scores,
+    select_positions,
+)
 
 
 def skew_partial(x, skew, channels):
@@ -224,3 +230,25 @@ def test_block_selection_matches_brute_force(seed, block):
                 want = {p for i in chosen for p in blocks[i] if valid[b, k, p]}
             got = {int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v}
             assert got == want
+
+
+@pytest.mark.parametrize("q_len,chunk", [(37, 8), (37, 256), (12, 5)])
+def test_prefill_column_sums_match_the_full_softmax(q_len, chunk):
+    """H2O's prefill statistic against a plain full-width reference: causal, GQA-summed,
+    left padding excluded both as keys and as queries."""
+    g = torch.Generator().manual_seed(q_len + chunk)
+    b, hkv, group, k_len, d = 2, 2, 3, 37, 8
+    query = torch.randn(b, hkv * group, q_len, d, generator=g)
+    key = torch.randn(b, hkv, k_len, d, generator=g).to(torch.float16)
+    valid = torch.ones(b, k_len, dtype=torch.bool)
+    valid[1, :6] = False  # the second sequence is left-padded
+    got = attention_column_sums(query, key, valid, 0.3, chunk=chunk)
+
+    k = key.float().repeat_interleave(group, dim=1)
+    s = query @ k.transpose(-1, -2) * 0.3
+    rows = torch.arange(k_len - q_len, k_len)
+    allowed = (torch.arange(k_len)[None, :] <= rows[:, None])[None, None] & valid[:, None, None, :]
+    probs = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
+    probs = probs * valid[:, k_len - q_len :][:, None, :, None]
+    want = probs.sum(2).reshape(b, hkv, group, k_len).sum(2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

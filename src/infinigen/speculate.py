@@ -281,22 +281,27 @@ def attention_column_sums(
 ) -> torch.Tensor:
     """Causal attention weights of a prefill, summed over its real queries and each GQA
     group's heads: query [B, H, Q, d] (the last Q of the K positions), key [B, Hkv, K, d],
-    valid [B, K] -> [B, Hkv, K]. Chunked over queries to bound memory."""
-    b, h, q_len, _ = query.shape
+    valid [B, K] -> [B, Hkv, K]. Chunked over queries to bound memory; each chunk scores only
+    the keys its rows can see (causal), and a group's heads share their key matrix (no copy),
+    which makes H2O's prefill pass about half the work of a full-width one."""
+    b, h, q_len, d = query.shape
     hkv, k_len = key.shape[1], key.shape[2]
+    g = h // hkv
     offset = k_len - q_len
-    k = key.to(torch.float32).repeat_interleave(h // hkv, dim=1)
+    k = key.to(torch.float32)
     out = torch.zeros(b, hkv, k_len, dtype=torch.float32, device=query.device)
     cols = torch.arange(k_len, device=query.device)
     for r0 in range(0, q_len, chunk):
         r1 = min(q_len, r0 + chunk)
-        rows = torch.arange(offset + r0, offset + r1, device=query.device)
-        s = torch.matmul(query[:, :, r0:r1].to(torch.float32), k.transpose(-1, -2)) * scaling
-        allowed = (cols[None, :] <= rows[:, None])[None, None] & valid[:, None, None, :]
-        probs = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
-        real_rows = valid[:, offset + r0 : offset + r1][:, None, :, None]
-        probs = torch.where(real_rows & allowed.any(-1, keepdim=True), probs, torch.zeros_like(probs))
-        out += group_sum(probs.sum(2), hkv)
+        n, end = r1 - r0, offset + r1  # rows in the chunk; keys any of them can see
+        q = query[:, :, r0:r1].to(torch.float32).reshape(b, hkv, g * n, d)
+        s = torch.matmul(q, k[:, :, :end].transpose(-1, -2)).mul_(scaling).view(b, hkv, g, n, end)
+        rows = torch.arange(offset + r0, end, device=query.device)
+        allowed = (cols[None, :end] <= rows[:, None])[None] & valid[:, None, :end]  # [B, n, end]
+        probs = torch.softmax(s.masked_fill_(~allowed[:, None, None], -math.inf), -1)
+        # a real row always sees itself; a padded row (possibly all masked, NaN) counts nothing
+        probs.masked_fill_(~valid[:, offset + r0 : end][:, None, None, :, None], 0.0)
+        out[..., :end] += probs.sum((2, 3))
     return out
 
 
