@@ -175,14 +175,14 @@ class Session:
         key = (round(config.partial_ratio, 6), config.skew, calibration_length(config.calibration_tokens, self.adapter))
         art = self._artifacts.get(key)
         if art is not None:
-            if config.channel_allocation != "calibrated" or art.has_channel_recall():
+            if art.serves(config.channel_allocation, config.speculate_from):
                 return art
             if self._given_skew is not None or self.folded:  # cannot be replaced: refused, saying why
                 art.verify(
                     self.fingerprint, config.partial_ratio, config.skew, self.adapter.num_layers,
-                    channel_allocation=config.channel_allocation,
+                    channel_allocation=config.channel_allocation, speculate_from=config.speculate_from,
                 )  # fmt: skip
-            del self._artifacts[key]  # an older cached file without the tables: recalibrate it
+            del self._artifacts[key]  # an older cached file without the tables or maps: recalibrate it
         if self._artifacts and (self._given_skew is not None or self.folded):
             why = "the given skew artifact" if self._given_skew is not None else "the skew folded into its weights"
             raise ValueError(

@@ -66,7 +66,7 @@ POLICIES: dict[str, PolicySpec] = {
 AGGREGATIONS = ("max", "sum", "union", "mass")
 ALLOCATIONS = ("uniform", "calibrated")
 CHANNEL_ALLOCATIONS = ("uniform", "calibrated")
-SPECULATION_INPUTS = ("previous", "own")
+SPECULATION_INPUTS = ("previous", "fitted", "own")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
 TIERS = ("ram", "disk", "pinned")
 EVICTIONS = ("counter", "lru", "fifo")
@@ -189,8 +189,9 @@ class SpeculationKnobs(SelectionBudget):
     )
     speculate_from: str = knob(
         "previous",
-        "the input the speculated query is formed from: previous (layer i-1's, one layer ahead, overlapped) or "
-        "own (layer i's, not overlapped: measures what speculating from the previous layer costs)",
+        "the input the speculated query is formed from: previous (layer i-1's, one layer ahead, overlapped), "
+        "fitted (layer i-1's, through layer i's query projection refitted to it at calibration; as fast as "
+        "previous) or own (layer i's, not overlapped: measures what speculating from the previous layer costs)",
         one_of(SPECULATION_INPUTS),
     )
 

@@ -364,7 +364,7 @@ class OffloadedLayer(SessionLayer):
                 if position_embeddings is not None:
                     position_embeddings = tuple(t.to(self.device) for t in position_embeddings)
             xf = x if x.dtype == torch.float32 else x.to(torch.float32)
-            query = self.adapter.queries(self.index, xf, position_embeddings)[:, :, -1]
+            query = self.selector.query(self.index, xf, position_embeddings)[:, :, -1]
         selection = self.selector.select(self.state, self.index, query, past, valid)
         self.counters.speculation_seconds += time.perf_counter() - start
         if self.counters.trace is not None:

@@ -209,7 +209,7 @@ class ForcedLayer(SessionLayer):
         queries = None
         if selector.query_from is not None:
             x, pe = self.inputs[selector.query_from]
-            queries = self.adapter.queries(i, x.to(torch.float32), pe)  # [B, H, S, d]
+            queries = selector.query(i, x.to(torch.float32), pe)  # [B, H, S, d]
         real = torch.ones(b, 1, k_len, dtype=torch.bool, device=key.device)
         new_valid = torch.ones(b, 1, dtype=torch.bool, device=key.device)
         mask = torch.zeros(b, hkv, s_len, k_len, dtype=torch.bool, device=key.device)

@@ -94,11 +94,17 @@ class ModelAdapter(ABC):
     def find_attention_modules(self) -> list[nn.Module]:
         """Where this family keeps its attention modules."""
 
-    @abstractmethod
     def queries(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
         """Queries of `layer` for its normalized attention input x [B, T, D], as they enter
         the dot product (post-RoPE, with `layer`'s own rotary embedding, see `rope_for`) but
         without the attention scaling: [B, H, T, d]."""
+        return self.query_heads(layer, self.attention_modules()[layer].q_proj(x), position_embeddings)
+
+    @abstractmethod
+    def query_heads(self, layer: int, projected: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """What `queries` does after the query projection: projected [B, T, H·d] (q_proj's
+        output, or a fitted map's, see `infinigen.skew.query_map`) -> [B, H, T, d] as the dot
+        product sees it (per-head norm and RoPE where the family has them)."""
 
     @abstractmethod
     def keys(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:

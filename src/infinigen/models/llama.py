@@ -29,9 +29,9 @@ class LlamaLikeAdapter(ModelAdapter):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def queries(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
+    def query_heads(self, layer: int, projected: torch.Tensor, position_embeddings) -> torch.Tensor:
         attn = self.attention_modules()[layer]
-        q = self._split_heads(attn.q_proj(x), self.num_heads)
+        q = self._split_heads(projected, self.num_heads)
         if hasattr(attn, "q_norm"):
             q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
         return self._rope(q, position_embeddings)

@@ -23,9 +23,8 @@ class OPTAdapter(ModelAdapter):
     def find_attention_modules(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.model.model.decoder.layers]
 
-    def queries(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
-        attn = self.attention_modules()[layer]
-        return self._split_heads(attn.q_proj(x), self.num_heads)
+    def query_heads(self, layer: int, projected: torch.Tensor, position_embeddings) -> torch.Tensor:
+        return self._split_heads(projected, self.num_heads)
 
     def keys(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
         attn = self.attention_modules()[layer]

@@ -18,6 +18,7 @@ from infinigen.select.infinigen import (
     layer_budgets_from_artifact,
     layer_channels_from_artifact,
     projections_from_artifact,
+    query_maps_from_artifact,
 )
 from infinigen.select.oracle import OracleSelector
 from infinigen.select.quest import QuestSelector
@@ -44,9 +45,11 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
         selecting = [i for i in range(adapter.num_layers) if config.layer_role(i, adapter.is_local(i)) == "select"]
         counts = layer_channels_from_artifact(artifact, knobs, selecting, adapter.head_dim)
         channels = channels_from_artifact(artifact, counts)
-        projections = projections_from_artifact(artifact, adapter.head_dim, folded, layer_devices(adapter), channels)
+        devices = layer_devices(adapter)
+        projections = projections_from_artifact(artifact, adapter.head_dim, folded, devices, channels)
         budgets = layer_budgets_from_artifact(artifact, knobs, selecting)
-        return InfiniGenSelector(knobs, adapter, projections, budgets, selecting)
+        maps = query_maps_from_artifact(artifact, knobs, selecting, adapter.num_heads, folded, devices)
+        return InfiniGenSelector(knobs, adapter, projections, budgets, selecting, maps)
     if cls is OracleSelector:
         return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())
     return cls(knobs, adapter)

@@ -64,6 +64,12 @@ class Selector:
     def on_prefill(self, state: Any, layer: int, weights: PrefillWeights) -> None:
         """The prefill's attention, computed only if asked for (`weights.column_sums()`)."""
 
+    def query(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """The queries `select` is given, from the normalized input x [B, T, D] that `query_from`
+        names: [B, H, T, d] post-RoPE, unscaled (the layer's own projection; InfiniGen may use a
+        fitted one)."""
+        return self.adapter.queries(layer, x, position_embeddings)
+
     def select(self, state: Any, layer: int, query: torch.Tensor | None, past: int, valid: torch.Tensor) -> Selection:
         """Positions of [0, past) the coming step attends, per (batch, KV head).
 

@@ -10,6 +10,9 @@ Two additions, each a knob:
   channel_allocation="calibrated"  the partial channels are spread over the layers by the
                            recall of speculating with c channels, measured at calibration
                            (`speculate.allocate_channels`); the mean count is still r·d;
+  speculate_from="fitted"  the speculated query comes from layer i-1's input through layer i's
+                           query projection refitted to that input at calibration
+                           (`infinigen.skew.query_map`), at the cost of plain speculation;
   correction=c > 0         speculate, then correct: once layer i's own query exists, it scores
                            the partial keys already on the compute side, and the best c·context
                            positions the speculation missed are fetched as a second transfer
@@ -29,6 +32,7 @@ import infinigen.kernels as kernels
 from infinigen.config import SpeculationKnobs
 from infinigen.growing import GrowingTensor
 from infinigen.select.base import Selector
+from infinigen.skew.query_map import apply_query_map, fold_skew_into_map
 from infinigen.speculate import (
     Selection,
     aggregate_group,
@@ -69,15 +73,18 @@ class InfiniGenSelector(Selector):
         projections: dict[int, torch.Tensor],
         layer_budgets: dict[int, float] | None = None,
         speculated: list[int] | range | None = None,
+        query_maps: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """projections: per layer, the skew columns of the partial channels [Hkv, d, c]
         (see `projections_from_artifact`; c may differ between layers); layer_budgets: per
         speculated layer, its fraction (allocation "calibrated"; `speculate.allocate_budgets`),
-        else `budget` everywhere; speculated: the layers whose channel counts `describe` reports."""
+        else `budget` everywhere; speculated: the layers whose channel counts `describe` reports;
+        query_maps: per layer, its fitted query map [D + 1, H·d] (`query_maps_from_artifact`)."""
         super().__init__(knobs, adapter)
         self.proj = projections
         self.layer_budgets = dict(layer_budgets or {})
         self.speculated = speculated if speculated is not None else range(0)
+        self.query_maps = dict(query_maps or {})
 
     def channels(self, layer: int) -> int:
         """The number of partial channels this layer speculates with."""
@@ -85,9 +92,18 @@ class InfiniGenSelector(Selector):
 
     @property
     def query_from(self) -> str:  # type: ignore[override]
-        """ "previous" (the method: one layer ahead), or "own" when measuring without the
-        previous layer's error (`speculate_from`)."""
-        return self.knobs.speculate_from
+        """ "previous" (the method: one layer ahead; also for "fitted", which maps the same
+        input differently), or "own" when measuring without the previous layer's error
+        (`speculate_from`)."""
+        return "own" if self.knobs.speculate_from == "own" else "previous"
+
+    def query(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """The speculated queries: through the layer's fitted query map if it has one
+        (`speculate_from` "fitted"), else through its own projection."""
+        m = self.query_maps.get(layer)
+        if m is None:
+            return super().query(layer, x, position_embeddings)
+        return self.adapter.query_heads(layer, apply_query_map(x, m), position_embeddings)
 
     def alpha(self, layer: int) -> float:
         return float(self.knobs.layer_alpha.get(layer, self.knobs.alpha))
@@ -192,4 +208,23 @@ def projections_from_artifact(
         a = None if folded else artifact.skews.get(i)
         where = device.get(i, "cpu") if isinstance(device, dict) else device
         out[i] = partial_projection(a, chosen, head_dim).to(where)
+    return out
+
+
+def query_maps_from_artifact(
+    artifact, knobs: SpeculationKnobs, layers: list[int], num_heads: int, folded: bool, device
+) -> dict[int, torch.Tensor]:
+    """Per speculated layer, its fitted query map (float32, on the layer's `device`: one, or
+    {layer: device}) for `speculate_from` "fitted", else empty. For a model whose skew is folded
+    into W_q, the skew is folded into the map as well."""
+    if knobs.speculate_from != "fitted":
+        return {}
+    if not artifact.has_query_maps():
+        raise ValueError("speculate_from 'fitted' needs a skew artifact with query maps: recalibrate it")
+    out = {}
+    for i in layers:
+        m = artifact.query_maps[i].to(torch.float32)
+        if folded and artifact.skews.get(i) is not None:
+            m = fold_skew_into_map(m, artifact.skews[i], num_heads)
+        out[i] = m.to(device.get(i, "cpu") if isinstance(device, dict) else device)
     return out

@@ -73,8 +73,9 @@ def obtain_artifact(
     cache_dir: str | Path | None = None,
     progress: bool = True,
 ) -> SkewArtifact:
-    """The skew artifact for `model` and `knobs` (partial_ratio, skew, calibration_tokens, and
-    channel_allocation: "calibrated" needs the channel recall tables, which older artifacts lack).
+    """The skew artifact for `model` and `knobs` (partial_ratio, skew, calibration_tokens;
+    channel_allocation "calibrated" needs the channel recall tables and speculate_from "fitted"
+    the query maps, which older artifacts lack).
 
     source: an artifact or a path to one (refused, with the command that recomputes it, if it
     cannot be read, is damaged or does not match), else the cached one under `cache_dir` (if it
@@ -82,14 +83,17 @@ def obtain_artifact(
     now on the shipped prose (`tokenizer`; without one, on seeded random ids) and saved there.
     The model must not be folded yet."""
     ratio, skewed = knobs.partial_ratio, knobs.skew
-    channel_allocation = getattr(knobs, "channel_allocation", "uniform")
+    needs = dict(
+        channel_allocation=getattr(knobs, "channel_allocation", "uniform"),
+        speculate_from=getattr(knobs, "speculate_from", "previous"),
+    )
     if isinstance(source, SkewArtifact):
-        source.verify(fingerprint, ratio, skewed, adapter.num_layers, channel_allocation=channel_allocation)
+        source.verify(fingerprint, ratio, skewed, adapter.num_layers, **needs)
         return source
     if source is not None:
         try:
             art = SkewArtifact.load(source)
-            art.verify(fingerprint, ratio, skewed, adapter.num_layers, source, channel_allocation)
+            art.verify(fingerprint, ratio, skewed, adapter.num_layers, source, **needs)
         except SkewArtifactError as exc:
             raise refuse_given(exc, knobs) from None
         return art
@@ -99,7 +103,7 @@ def obtain_artifact(
     if path.is_file():
         try:
             art = SkewArtifact.load(path)
-            art.verify(fingerprint, ratio, skewed, adapter.num_layers, path, channel_allocation)
+            art.verify(fingerprint, ratio, skewed, adapter.num_layers, path, **needs)
             return art
         except SkewArtifactError as exc:
             warnings.warn(

@@ -94,7 +94,9 @@ class SkewArtifact:
     only uniform channel counts): every layer's channels ranked [Hkv, d] (`channel_orders`) and
     the recall of speculating with the top c of them at each c of `channel_grid`
     (`channel_recall`), from which the selector spreads the channels over the layers
-    (`speculate.allocate_channels`, knob `channel_allocation`)."""
+    (`speculate.allocate_channels`, knob `channel_allocation`). Likewise optional: every
+    layer's query map fitted to the previous layer's input [D + 1, H·d] (`query_maps`, knob
+    `speculate_from` "fitted", `infinigen.skew.query_map`)."""
 
     skews: dict[int, torch.Tensor | None]
     channels: dict[int, torch.Tensor]
@@ -108,6 +110,17 @@ class SkewArtifact:
     channel_orders: dict[int, torch.Tensor] = field(default_factory=dict)
     channel_recall: dict[int, torch.Tensor] = field(default_factory=dict)
     channel_grid: torch.Tensor | None = None
+    query_maps: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def has_query_maps(self) -> bool:
+        """Whether this artifact can speculate through fitted query maps (every layer but the first)."""
+        return set(self.query_maps) >= set(self.channels) - {0}
+
+    def serves(self, channel_allocation: str = "uniform", speculate_from: str = "previous") -> bool:
+        """Whether it holds what these settings read beyond the skew and channels."""
+        return (channel_allocation != "calibrated" or self.has_channel_recall()) and (
+            speculate_from != "fitted" or self.has_query_maps()
+        )
 
     def has_channel_recall(self) -> bool:
         """Whether this artifact can spread channels over the layers (`channel_allocation`)."""
@@ -133,6 +146,8 @@ class SkewArtifact:
             tensors[f"layer.{i}.channel_recall"] = table.to(torch.float32).contiguous()
         if self.channel_grid is not None:
             tensors["channel_grid"] = self.channel_grid.to(torch.long).contiguous()
+        for i, m in self.query_maps.items():
+            tensors[f"layer.{i}.query_map"] = m.contiguous()
         meta = dict(self.meta)
         meta.pop("checksum", None)
         meta.update(
@@ -177,6 +192,7 @@ class SkewArtifact:
             curves = {i: tensors[f"layer.{i}.recall"] for i in layers if f"layer.{i}.recall" in tensors}
             orders = {i: tensors[k] for i in layers if (k := f"layer.{i}.channel_order") in tensors}
             tables = {i: tensors[k] for i in layers if (k := f"layer.{i}.channel_recall") in tensors}
+            maps = {i: tensors[k] for i in layers if (k := f"layer.{i}.query_map") in tensors}
             ratio, tokens = float(meta["partial_ratio"]), int(meta["calibration_tokens"])
         except (ValueError, KeyError, IndexError) as exc:
             raise refuse(f"is malformed ({exc})") from exc
@@ -193,6 +209,7 @@ class SkewArtifact:
             channel_orders=orders,
             channel_recall=tables,
             channel_grid=tensors.get("channel_grid"),
+            query_maps=maps,
         )
 
     def verify(
@@ -203,9 +220,11 @@ class SkewArtifact:
         num_layers: int,
         path: str | os.PathLike | None = None,
         channel_allocation: str = "uniform",
+        speculate_from: str = "previous",
     ) -> None:
         """Refuse an artifact made for another model or other settings (`path`: its file, if any);
-        for `channel_allocation` "calibrated", also one without the channel recall tables."""
+        for `channel_allocation` "calibrated", also one without the channel recall tables; for
+        `speculate_from` "fitted", one without the query maps."""
 
         def refuse(reason: str) -> SkewArtifactError:
             return SkewArtifactError(f"skew artifact{'' if path is None else f' {path}'} {reason}", path, reason)
@@ -226,6 +245,8 @@ class SkewArtifact:
                 "has no channel recall tables (made before per-layer channel counts), "
                 "which channel_allocation=calibrated needs"
             )
+        if speculate_from == "fitted" and not self.has_query_maps():
+            raise refuse("has no query maps (made before fitted speculation), which speculate_from=fitted needs")
 
 
 def model_fingerprint(model: nn.Module) -> str:

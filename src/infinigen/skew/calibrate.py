@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from infinigen.models import ModelAdapter
 from infinigen.skew.artifact import SkewArtifact, model_fingerprint
 from infinigen.skew.channels import skew_from_qk
+from infinigen.skew.query_map import QUERY_MAP_DTYPE, fit_query_map, own_projection
 from infinigen.speculate import RECALL_GRID, channel_grid, oracle_recall_curve, partial_recall_table
 
 RECALL_QUERIES = 48  # decode positions sampled per layer for the recall curves
@@ -53,12 +54,21 @@ def synthetic_calibration_ids(vocab_size: int, num_tokens: int, seed: int = 0) -
 
 
 @torch.no_grad()
-def collect_qk(model: nn.Module, adapter: ModelAdapter, input_ids: torch.Tensor, progress: bool = True):
+def collect_qk(
+    model: nn.Module,
+    adapter: ModelAdapter,
+    input_ids: torch.Tensor,
+    progress: bool = True,
+    query_maps: dict[int, torch.Tensor] | None = None,
+):
     """Run the model once and capture, per layer, its queries and keys as the dot product
-    sees them (post-RoPE), by recomputing them from each attention module's normalized input."""
+    sees them (post-RoPE), by recomputing them from each attention module's normalized input.
+    `query_maps`: if given, filled with every layer's (but the first's) query map fitted to the
+    previous layer's input (`infinigen.skew.query_map`)."""
     mods = adapter.attention_modules()
     qs: dict[int, torch.Tensor] = {}
     ks: dict[int, torch.Tensor] = {}
+    previous: list[torch.Tensor] = []  # the last layer's normalized input, for the next fit
     bar = tqdm(total=len(mods), desc="calibrating skew", unit="layer", disable=not progress)
     handles = []
     for i, mod in enumerate(mods):
@@ -66,8 +76,13 @@ def collect_qk(model: nn.Module, adapter: ModelAdapter, input_ids: torch.Tensor,
         def hook(module, args, kwargs, i=i):
             x = kwargs.get("hidden_states", args[0] if args else None)
             pe = kwargs.get("position_embeddings")
-            qs[i] = adapter.queries(i, x, pe)[0].to(torch.float32).cpu()  # [H, T, d]
+            projected = module.q_proj(x)
+            qs[i] = adapter.query_heads(i, projected, pe)[0].to(torch.float32).cpu()  # [H, T, d]
             ks[i] = adapter.keys(i, x, pe)[0].to(torch.float32).cpu()  # [Hkv, T, d]
+            if query_maps is not None:
+                if previous:
+                    query_maps[i] = fit_query_map(previous[0], projected[0], own_projection(module.q_proj)).cpu()
+                previous[:] = [x[0]]
             bar.update(1)
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
@@ -119,8 +134,11 @@ def calibrate(
     speculating with its top c skewed channels at a few c (`speculate.partial_recall_table`, at
     the same sampled positions as the recall curves): the error of a partial score is not
     spread evenly over the layers, so with `channel_allocation` "calibrated" the channels go
-    where they buy the most recall, at the same mean count."""
-    qs, ks = collect_qk(model, adapter, input_ids, progress=progress)
+    where they buy the most recall, at the same mean count. And each layer but the first gets
+    its query map fitted to the previous layer's input (`infinigen.skew.query_map`, for
+    `speculate_from` "fitted")."""
+    maps: dict[int, torch.Tensor] = {}
+    qs, ks = collect_qk(model, adapter, input_ids, progress=progress, query_maps=maps)
     skews: dict[int, torch.Tensor | None] = {}
     channels: dict[int, torch.Tensor] = {}
     orders: dict[int, torch.Tensor] = {}
@@ -151,4 +169,5 @@ def calibrate(
         channel_orders=orders,
         channel_recall=tables,
         channel_grid=torch.tensor(counts, dtype=torch.long),
+        query_maps={i: m.to(QUERY_MAP_DTYPE) for i, m in maps.items()},
     )
