@@ -24,7 +24,7 @@ CONFIGS = {
         alpha=float("inf"), budget=0.15, correction=0.1, kv_dtype="float16", aggregation="mass", **BASE
     ),
     "infinigen-own-query": InfiniGenConfig(alpha=float("inf"), budget=0.2, speculate_from="own", **BASE),
-    "infinigen-fitted": InfiniGenConfig(alpha=float("inf"), budget=0.2, speculate_from="fitted", **BASE),
+    "infinigen-previous-input": InfiniGenConfig(alpha=float("inf"), budget=0.2, speculate_from="previous", **BASE),
     "h2o": InfiniGenConfig(policy="h2o", budget=0.3, **BASE),
     "streaming": InfiniGenConfig(policy="streaming", budget=0.3, sinks=2, **BASE),
     "quest": InfiniGenConfig(policy="quest", budget=0.3, page_tokens=4, kv_dtype="float16", **BASE),

@@ -113,7 +113,8 @@ def test_fitted_speculation_uses_the_maps_and_changes_the_selection():
     adapter = get_adapter(model)
     art = calibrate(model, adapter, synthetic_calibration_ids(VOCAB, 64), 0.5, True, progress=False)
     fitted = make_selector(InfiniGenConfig(budget=0.25, speculate_from="fitted"), adapter, art)
-    plain = make_selector(InfiniGenConfig(budget=0.25), adapter, art)
+    plain = make_selector(InfiniGenConfig(budget=0.25, speculate_from="previous"), adapter, art)
+    assert InfiniGenConfig().speculate_from == "fitted"  # the default
     assert fitted.query_from == plain.query_from == "previous"
     assert sorted(fitted.query_maps) == [2, 3] and not plain.query_maps
     x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(4))
@@ -125,7 +126,7 @@ def test_fitted_speculation_uses_the_maps_and_changes_the_selection():
 def test_an_artifact_without_query_maps_is_refused_or_recalibrated(monkeypatch, tmp_path):
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
     model = tiny_model("qwen2")
-    plain = InfiniGenConfig(calibration_tokens=64)
+    plain = InfiniGenConfig(calibration_tokens=64, speculate_from="previous")
     fitted = plain.replace(speculate_from="fitted")
     with attach(model, plain, progress=False) as session:
         art = session.artifact

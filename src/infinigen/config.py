@@ -142,9 +142,10 @@ class SelectionBudget(_Validated):
 
 @dataclass(frozen=True)
 class SpeculationKnobs(SelectionBudget):
-    """InfiniGen's selector: skewed partial query of layer i from layer i-1's input against the
-    partial keys; each layer keeps the top of its budget (calibrated spread of `budget`), an
-    optional threshold alpha, and a floor. Defaults chosen on the essays, reported on other
+    """InfiniGen's selector: skewed partial query of layer i from layer i-1's input (through
+    layer i's query projection refitted to that input at calibration) against the partial keys;
+    each layer keeps the top of its budget (calibrated spread of `budget`), an optional
+    threshold alpha, and a floor. Defaults chosen on the essays, reported on other
     genres (docs/results.md, "Selection that holds on unseen text")."""
 
     alpha: float = knob(
@@ -188,7 +189,7 @@ class SpeculationKnobs(SelectionBudget):
         fraction(low_open=False),
     )
     speculate_from: str = knob(
-        "previous",
+        "fitted",
         "the input the speculated query is formed from: previous (layer i-1's, one layer ahead, overlapped), "
         "fitted (layer i-1's, through layer i's query projection refitted to it at calibration; as fast as "
         "previous) or own (layer i's, not overlapped: measures what speculating from the previous layer costs)",
