@@ -116,11 +116,21 @@ class SkewArtifact:
         """Whether this artifact can speculate through fitted query maps (every layer but the first)."""
         return set(self.query_maps) >= set(self.channels) - {0}
 
+    def lacks(self, channel_allocation: str = "uniform", speculate_from: str = "previous") -> str | None:
+        """What these settings read beyond the skew and channels that this artifact does not
+        hold (as the reason `verify` gives), or None."""
+        if channel_allocation == "calibrated" and not self.has_channel_recall():
+            return (
+                "has no channel recall tables (made before per-layer channel counts), "
+                "which channel_allocation=calibrated needs"
+            )
+        if speculate_from == "fitted" and not self.has_query_maps():
+            return "has no query maps (made before fitted speculation), which speculate_from=fitted needs"
+        return None
+
     def serves(self, channel_allocation: str = "uniform", speculate_from: str = "previous") -> bool:
         """Whether it holds what these settings read beyond the skew and channels."""
-        return (channel_allocation != "calibrated" or self.has_channel_recall()) and (
-            speculate_from != "fitted" or self.has_query_maps()
-        )
+        return self.lacks(channel_allocation, speculate_from) is None
 
     def has_channel_recall(self) -> bool:
         """Whether this artifact can spread channels over the layers (`channel_allocation`)."""
@@ -240,13 +250,9 @@ class SkewArtifact:
             )
         if sorted(self.channels) != list(range(num_layers)):
             raise refuse(f"covers {len(self.channels)} layers, the model has {num_layers}")
-        if channel_allocation == "calibrated" and not self.has_channel_recall():
-            raise refuse(
-                "has no channel recall tables (made before per-layer channel counts), "
-                "which channel_allocation=calibrated needs"
-            )
-        if speculate_from == "fitted" and not self.has_query_maps():
-            raise refuse("has no query maps (made before fitted speculation), which speculate_from=fitted needs")
+        missing = self.lacks(channel_allocation, speculate_from)
+        if missing is not None:
+            raise refuse(missing)
 
 
 def model_fingerprint(model: nn.Module) -> str:
