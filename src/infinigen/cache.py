@@ -264,5 +264,10 @@ class InfiniGenCache(SessionCache):
             "host_pool_slots": sum(slots for _, slots in pools),
             "read_amplification": stats.amplification,
             "local_kv_bytes": sum(layer.peak_bytes for layer in self.layers if isinstance(layer, LocalLayer)),
+            "selector_bytes": sum(
+                layer.selector.held_bytes(layer.state)
+                for layer in self.layers
+                if isinstance(layer, OffloadedLayer) and layer.selector is not None
+            ),
             "per_layer": per_layer,
         }

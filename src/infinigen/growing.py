@@ -2,13 +2,17 @@
 
 Decode appends one position per step to many per-layer tensors (the KV with the compute, the
 partial keys, the oracle's key copy, Quest's page bounds). `torch.cat` re-copies the whole
-tensor each time, O(T) per step; this buffer writes in place and doubles its room when full,
-so the copies amortize to O(1) per append. One implementation serves every such tensor.
+tensor each time, O(T) per step; this buffer writes in place and grows its room by a quarter
+(at least 64 positions) when full, so the copies still amortize to O(1) per append while the room
+held beyond what is filled stays under a quarter: doubling would, at the first decode step after
+an 8K prefill, hold room for 16K positions. One implementation serves every such tensor.
 """
 
 from __future__ import annotations
 
 import torch
+
+GROWTH_MIN = 64  # positions added at least when a buffer grows
 
 
 class GrowingTensor:
@@ -30,6 +34,11 @@ class GrowingTensor:
         return None if self._buf is None else self._buf.narrow(self.dim, 0, self.length)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes allocated (room included): what this buffer holds in memory."""
+        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
+
+    @property
     def full(self) -> torch.Tensor | None:
         """The whole allocated buffer (room beyond `length` holds `fill`)."""
         return self._buf
@@ -47,12 +56,12 @@ class GrowingTensor:
         self._buf = buf
 
     def append(self, x: torch.Tensor) -> torch.Tensor:
-        """Write `x` after what is held (growing by doubling); returns the filled part."""
+        """Write `x` after what is held (growing by a quarter); returns the filled part."""
         n = x.shape[self.dim]
         end = self.length + n
         have = 0 if self._buf is None else self._buf.shape[self.dim]
         if end > have:
-            self.reserve(x, max(end, self.capacity, 2 * have))
+            self.reserve(x, max(end, self.capacity, have + max(have // 4, GROWTH_MIN)))
         self._buf.narrow(self.dim, self.length, n).copy_(x)
         self.length = end
         return self.data

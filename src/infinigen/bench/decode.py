@@ -185,6 +185,7 @@ def run_child(args: argparse.Namespace) -> dict:
         "rss_after_model_bytes": rss_model,
         "kv_cache_bytes": kv_bytes,
         "local_kv_bytes": local_bytes,
+        "selector_bytes": 0 if dense else s.get("selector_bytes", 0),
         "layers_offloaded": 0 if dense else global_layers,
         "tier": "compute" if dense else cfg.tier,
         "config": None if hf_dense else cfg.to_dict(),
@@ -228,7 +229,8 @@ def _prompt_ids(tok, context: int) -> torch.Tensor:
 def _fmt_table(rows: list[dict]) -> str:
     head = (
         f"{'policy':>10} {'ctx':>5} {'B':>2} {'tok/s':>8} {'x full':>7} {'x dense':>8} {'tier MiB':>8} {'cache MiB':>9} "
-        f"{'reads':>6} {'ampl':>5} {'fetched':>8} {'spec ms':>8} {'wait %':>7} {'peak RSS':>9} {'local KV':>9}"
+        f"{'reads':>6} {'ampl':>5} {'fetched':>8} {'spec ms':>8} {'wait %':>7} {'peak RSS':>9} {'local KV':>9} "
+        f"{'selector':>9}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -240,7 +242,7 @@ def _fmt_table(rows: list[dict]) -> str:
             f"{r.get('x_full', float('nan')):>7.2f} {r.get('x_dense', float('nan')):>8.2f} "
             f"{disk:>8.2f} {r['bytes_from_ram_per_token'] / 2**20:>9.2f} {r['reads_per_token']:>6.0f} {amp:>5} "
             f"{frac:>8} {r['speculation_ms_per_step']:>8.1f} {r['wait_pct']:>7.1f} {r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
-            f"{r.get('local_kv_bytes', 0) / 2**20:>7.1f}Mi"
+            f"{r.get('local_kv_bytes', 0) / 2**20:>7.1f}Mi {r.get('selector_bytes', 0) / 2**20:>7.1f}Mi"
         )
     return "\n".join(out)
 
@@ -389,7 +391,7 @@ def run_parent(args: argparse.Namespace) -> int:
         "faster of dense (preallocated) and dense-hf (DynamicCache). Per token: 'tier MiB' read from the slow "
         "tier's medium (the disk; host RAM for the ram tier), read amplification included; 'cache MiB' served "
         "from RAM in front of the disk (unwritten tail blocks, block cache); 'reads' disk read requests. 'spec ms': selection time per step, on the prefetch thread; "
-        "'wait %': share of the step the compute waited on transfers; 'local KV': what the sliding-window layers keep with the compute (never offloaded, not in the tier columns). Measured on this machine, not modelled."
+        "'wait %': share of the step the compute waited on transfers; 'local KV': what the sliding-window layers keep with the compute (never offloaded, not in the tier columns); 'selector': what the selection keeps with the compute (InfiniGen's partial keys, fp32, room to grow included; Quest's page bounds; H2O's scores). Measured on this machine, not modelled."
     )
     print(table)
     print(note)
