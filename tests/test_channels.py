@@ -93,7 +93,7 @@ def test_calibrated_channels_calibrate_save_reload_and_decode(monkeypatch, tmp_p
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
     model, d = _known_model()
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(2))
-    cfg = InfiniGenConfig(budget=0.25, channel_allocation="calibrated", calibration_tokens=64)
+    cfg = InfiniGenConfig(budget=0.25, partial_ratio=0.5, channel_allocation="calibrated", calibration_tokens=64)
     with attach(model, cfg, progress=False) as session, session.new_cache() as cache:
         art = session.artifact
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
@@ -123,13 +123,13 @@ def test_uniform_is_the_artifacts_channels_with_or_without_the_tables(tmp_path):
     before the tables existed, and an artifact without them decodes the same."""
     model, d = _known_model()
     adapter = get_adapter(model)
-    art = calibrate(model, adapter, synthetic_calibration_ids(96, 64), 0.5, True, progress=False)
     cfg = InfiniGenConfig(budget=0.25, calibration_tokens=64)
+    art = calibrate(model, adapter, synthetic_calibration_ids(96, 64), cfg.partial_ratio, True, progress=False)
     assert cfg.channel_allocation == "uniform"
     selector = make_selector(cfg, adapter, art)
     for i in range(adapter.num_layers):
         assert torch.equal(selector.proj[i], partial_projection(art.skews[i], art.channels[i], d))
-        assert selector.proj[i].shape[-1] == round(0.5 * d)
+        assert selector.proj[i].shape[-1] == round(cfg.partial_ratio * d)
     old = SkewArtifact(**{**vars(art), "channel_orders": {}, "channel_recall": {}, "channel_grid": None})
     old.save(tmp_path / "old.safetensors")
     art.save(tmp_path / "new.safetensors")
@@ -143,7 +143,8 @@ def test_uniform_is_the_artifacts_channels_with_or_without_the_tables(tmp_path):
                     output_logits=True, return_dict_in_generate=True,
                 )  # fmt: skip
                 outs.append(torch.stack(out.logits))
-                assert cache.summary()["policy_settings"]["layer_channels"] == {"2": d // 2, "3": d // 2}
+                c = round(cfg.partial_ratio * d)
+                assert cache.summary()["policy_settings"]["layer_channels"] == {"2": c, "3": c}
     assert torch.equal(outs[0], outs[1])
 
 

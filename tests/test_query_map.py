@@ -11,6 +11,8 @@ from infinigen.select import make_selector
 from infinigen.skew import calibrate, collect_qk, synthetic_calibration_ids
 from infinigen.skew.query_map import apply_query_map, fit_query_map, fold_skew_into_map, own_projection
 
+R = InfiniGenConfig().partial_ratio  # the artifacts below serve the default configuration
+
 
 def _affine(seed: int, t: int = 300, d_in: int = 10, d_out: int = 12):
     g = torch.Generator().manual_seed(seed)
@@ -60,7 +62,7 @@ def test_calibration_fits_every_layer_but_the_first_to_its_previous_input(family
     model = tiny_model(family)
     adapter = get_adapter(model)
     ids = synthetic_calibration_ids(VOCAB, 64)
-    art = calibrate(model, adapter, ids, 0.5, True, progress=False)
+    art = calibrate(model, adapter, ids, R, True, progress=False)
     assert sorted(art.query_maps) == list(range(1, adapter.num_layers)) and art.has_query_maps()
     inputs = {}
     handles = [
@@ -88,7 +90,7 @@ def test_a_map_equal_to_the_own_projection_decodes_as_plain_speculation(family, 
     folded into the map for a model without RoPE): the map is the only thing it changes."""
     model = tiny_model(family)
     adapter = get_adapter(model)
-    art = calibrate(model, adapter, synthetic_calibration_ids(VOCAB, 64), 0.5, True, progress=False)
+    art = calibrate(model, adapter, synthetic_calibration_ids(VOCAB, 64), R, True, progress=False)
     mods = adapter.attention_modules()
     own = {i: own_projection(mods[i].q_proj).to(torch.float32) for i in range(1, adapter.num_layers)}
     SkewArtifact(**{**vars(art), "query_maps": own}).save(tmp_path / "own.safetensors")
@@ -111,7 +113,7 @@ def test_a_map_equal_to_the_own_projection_decodes_as_plain_speculation(family, 
 def test_fitted_speculation_uses_the_maps_and_changes_the_selection():
     model = tiny_model("llama")
     adapter = get_adapter(model)
-    art = calibrate(model, adapter, synthetic_calibration_ids(VOCAB, 64), 0.5, True, progress=False)
+    art = calibrate(model, adapter, synthetic_calibration_ids(VOCAB, 64), R, True, progress=False)
     fitted = make_selector(InfiniGenConfig(budget=0.25, speculate_from="fitted"), adapter, art)
     plain = make_selector(InfiniGenConfig(budget=0.25, speculate_from="previous"), adapter, art)
     assert InfiniGenConfig().speculate_from == "fitted"  # the default

@@ -154,7 +154,7 @@ class SpeculationKnobs(SelectionBudget):
         "the paper's threshold, e.g. 5, allocates worse on unseen text)",
         _ALPHA,
     )
-    partial_ratio: float = knob(0.5, "fraction r of the head dimension kept as partial channels", fraction())
+    partial_ratio: float = knob(0.75, "fraction r of the head dimension kept as partial channels", fraction())
     aggregation: str = knob(
         "mass",
         "how a GQA group's query heads make one selection per KV head: union, max, sum or mass",
