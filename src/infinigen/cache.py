@@ -20,6 +20,7 @@ from infinigen.config import InfiniGenConfig
 from infinigen.errors import InfiniGenError
 from infinigen.layers import CacheCounters, ComputeLayer, LocalLayer, OffloadedLayer, Positions, RowBuffers
 from infinigen.select import Selector
+from infinigen.select.base import held_bytes
 from infinigen.storage import Storage
 
 HOW_TO_MAKE = (
@@ -265,9 +266,7 @@ class InfiniGenCache(SessionCache):
             "read_amplification": stats.amplification,
             "local_kv_bytes": sum(layer.peak_bytes for layer in self.layers if isinstance(layer, LocalLayer)),
             "selector_bytes": sum(
-                layer.selector.held_bytes(layer.state)
-                for layer in self.layers
-                if isinstance(layer, OffloadedLayer) and layer.selector is not None
+                held_bytes(layer.state) for layer in self.layers if isinstance(layer, OffloadedLayer)
             ),
             "per_layer": per_layer,
         }

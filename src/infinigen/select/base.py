@@ -99,30 +99,16 @@ class Selector:
         attention skips computing them for those that do not."""
         return type(self).observe is not Selector.observe
 
-    def held_bytes(self, state: Any) -> int:
-        """Bytes a layer's state keeps with the compute (partial keys, page bounds, accumulated
-        attention): memory the selection costs on the fast side, reported by `summary()`."""
-        return held_bytes(state)
-
     def describe(self) -> dict[str, Any]:
         """The selector and its knobs, JSON-safe."""
         knobs = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self.knobs).items()}
         return {"policy": self.name, **knobs}
 
 
-def held_bytes(obj: Any, depth: int = 3) -> int:
-    """Allocated bytes of the tensors (and growing buffers) an object holds in its attributes,
-    searched `depth` levels down: every selector state is a small dataclass of those."""
-    if obj is None or depth < 0:
+def held_bytes(state: Any) -> int:
+    """Bytes a layer's selector state keeps with the compute (partial keys, page bounds,
+    accumulated attention), room to grow included: every state is a small object whose
+    attributes are tensors or growing buffers. Reported by `summary()`."""
+    if state is None:
         return 0
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, GrowingTensor):
-        return obj.nbytes
-    if isinstance(obj, (list, tuple)):
-        return sum(held_bytes(x, depth - 1) for x in obj)
-    if isinstance(obj, dict):
-        return sum(held_bytes(x, depth - 1) for x in obj.values())
-    if hasattr(obj, "__dict__"):
-        return sum(held_bytes(x, depth - 1) for x in vars(obj).values())
-    return 0
+    return sum(v.nbytes for v in vars(state).values() if isinstance(v, (torch.Tensor, GrowingTensor)))
