@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from infinigen import kernels
+from conftest import VOCAB, tiny_model
+from infinigen import InfiniGenConfig, attach, kernels
 from infinigen.speculate import aggregate_group, all_valid, partial_scores, select_positions
 
 
@@ -111,3 +112,49 @@ def test_kernel_all_valid_view_equals_explicit_mask_and_honours_room():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[0], ref.indices)
     with pytest.raises(ValueError, match="room"):
         kernels.select(keys, 101, query, None, "union", 3.0, 1.0, None, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_widens_every_16_bit_pattern_exactly(dtype):
+    """The partial keys may be kept in 16 bits: the kernel's integer-only widening equals
+    torch's conversion on all 65536 patterns (zeros, subnormals, normals, infinities; NaNs stay
+    NaN)."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    want, got = patterns.float(), kernels.widen(patterns.contiguous())
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))  # bit for bit (signed zeros too)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("agg", ["union", "mass"])
+@pytest.mark.parametrize("t", [9, 300, 5000])
+def test_kernel_on_16_bit_keys_equals_its_float32_run_on_the_widened_keys(dtype, agg, t):
+    keys, query, valid = _case(7, t=t)
+    keys16 = (keys * 0.37).to(dtype)  # non-integer values, so that widening errors would show
+    for budget in (0.05, 0.2, 1.0):
+        a = kernels.select(keys16, t, query, valid, agg, 4.0, budget, None, 1)
+        b = kernels.select(keys16.float(), t, query, valid, agg, 4.0, budget, None, 1)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_16_bit_partial_keys_decode_the_same_through_the_kernel_and_the_tensor_path(kv_dtype, monkeypatch):
+    """With a 16-bit KV the partial keys are kept in 16 bits; the kernel widens them as the
+    tensor path does, so a decode selects the same rows and yields the same logits."""
+    ids = torch.randint(3, VOCAB, (1, 160), generator=torch.Generator().manual_seed(11))
+    cfg = InfiniGenConfig(budget=0.1, calibration_tokens=64, kv_dtype=kv_dtype)
+    runs = []
+    for enabled in ("1", "0"):
+        monkeypatch.setenv("INFINIGEN_KERNELS", enabled)
+        model = tiny_model("llama")
+        with attach(model, cfg, progress=False) as session, session.new_cache() as cache:
+            out = model.generate(
+                input_ids=ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+            held = cache.summary()["selector_bytes"]
+        runs.append((out.sequences, torch.stack(out.logits), held))
+    (seq_c, logits_c, held_c), (seq_t, logits_t, held_t) = runs
+    assert torch.equal(seq_c, seq_t) and held_c == held_t
+    torch.testing.assert_close(logits_c, logits_t, rtol=1e-5, atol=1e-5)

@@ -36,13 +36,15 @@ def _selector_bytes(cfg: InfiniGenConfig, prompt: int, new: int) -> tuple[int, l
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.75])
-def test_infinigen_reports_its_partial_keys_with_room_under_a_quarter(ratio):
-    """The partial keys hold r*d fp32 channels of every cached position of every speculated layer."""
+@pytest.mark.parametrize("kv_dtype, width", [(None, 4), ("float16", 2), ("bfloat16", 2)])
+def test_infinigen_reports_its_partial_keys_with_room_under_a_quarter(ratio, kv_dtype, width):
+    """The partial keys hold r*d channels of every cached position of every speculated layer, at
+    the KV's storage width (the tiny model computes in fp32: 4 bytes when the KV is kept as computed)."""
     prompt, new = 150, 40
-    cfg = InfiniGenConfig(budget=0.25, partial_ratio=ratio, calibration_tokens=64)
+    cfg = InfiniGenConfig(budget=0.25, partial_ratio=ratio, calibration_tokens=64, kv_dtype=kv_dtype)
     held, speculated = _selector_bytes(cfg, prompt, new)
     a = get_adapter(tiny_model("llama"))
-    per_position = a.num_kv_heads * round(ratio * a.head_dim) * 4
+    per_position = a.num_kv_heads * round(ratio * a.head_dim) * width
     needed = len(speculated) * (prompt + new - 1) * per_position  # the last token is never fed back
     assert speculated and needed <= held <= len(speculated) * per_position * max(
         1.25 * (prompt + new - 1), prompt + new - 1 + GROWTH_MIN

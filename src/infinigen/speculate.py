@@ -71,8 +71,9 @@ def partial_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scaling: fl
     """
     b, h, c = q_partial.shape
     hkv = k_partial.shape[1]
-    q = (q_partial.to(k_partial.dtype) * scaling).reshape(b, hkv, h // hkv, c)
-    return torch.matmul(q, k_partial.transpose(-1, -2)).reshape(b, h, -1)
+    dtype = torch.promote_types(q_partial.dtype, k_partial.dtype)  # 16-bit keys score in float32 on CPU
+    q = (q_partial.to(dtype) * scaling).reshape(b, hkv, h // hkv, c)
+    return torch.matmul(q, k_partial.transpose(-1, -2).to(dtype)).reshape(b, h, -1)
 
 
 def aggregate_group(scores: torch.Tensor, valid: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:

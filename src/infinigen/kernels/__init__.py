@@ -31,6 +31,8 @@ from infinigen.paths import default_cache_dir
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c")]
 AGGREGATIONS = {"max": 0, "union": 1, "sum": 2, "mass": 3}
+# The partial keys' formats the selection kernel reads (widened to float32 as it scores).
+KEY_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # -fno-trapping-math lets the compiler turn the kernels' float selects into vector blends (the
 # results are IEEE-identical; only floating-point exception flags could differ, and none are read).
 _FLAG_SETS = (["-O3", "-march=native", "-fno-trapping-math"], ["-O3", "-fno-trapping-math"])
@@ -85,7 +87,9 @@ def _compile() -> ctypes.CDLL:
 def _bind(lib: ctypes.CDLL) -> None:
     p, i64, f32, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
     lib.ig_select.restype = i64
-    lib.ig_select.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, p, p, p, p, p]
+    lib.ig_select.argtypes = [p, cint, i64, i64, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, p, p, p, p, p]
+    lib.ig_widen.restype = None
+    lib.ig_widen.argtypes = [p, cint, i64, p]
     u64 = ctypes.c_uint64
     lib.ig_aio_setup.restype = u64
     lib.ig_aio_setup.argtypes = [i64]
@@ -122,6 +126,19 @@ def available() -> bool:
     return library() is not None
 
 
+def widen(keys: torch.Tensor) -> torch.Tensor:
+    """`keys` (contiguous, CPU, a `KEY_FORMATS` dtype) widened to float32 as the selection
+    kernel widens them when it scores."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the C selection kernel is unavailable: {_why_not}")
+    if keys.dtype not in KEY_FORMATS or not keys.is_contiguous() or keys.device.type != "cpu":
+        raise ValueError("keys must be a contiguous float32, float16 or bfloat16 CPU tensor")
+    out = torch.empty(keys.shape, dtype=torch.float32)
+    lib.ig_widen(keys.data_ptr(), KEY_FORMATS[keys.dtype], keys.numel(), out.data_ptr())
+    return out
+
+
 def select(
     keys: torch.Tensor,
     length: int,
@@ -136,7 +153,8 @@ def select(
     """InfiniGen's selection in one call (the rule of `speculate.aggregate_group` followed by
     `speculate.select_positions`, scores from `speculate.partial_scores`).
 
-    keys: [B, Hkv, c, >= length] float32 channel-major partial keys, contiguous;
+    keys: [B, Hkv, c, >= length] channel-major partial keys, contiguous, in a `KEY_FORMATS`
+          dtype (16-bit keys are widened exactly to float32; the scores are float32 either way);
     query: [B, H, c] partial queries already multiplied by the attention scaling;
     valid: [B, Hkv, length] bool, or None when every position exists.
     Returns (indices [B, Hkv, n] ascending, padding slots 0; counts [B, Hkv])."""
@@ -146,8 +164,8 @@ def select(
     b, hkv, c, room = keys.shape
     h = query.shape[1]
     g = h // hkv
-    if keys.dtype != torch.float32 or not keys.is_contiguous() or keys.device.type != "cpu":
-        raise ValueError("keys must be a contiguous float32 CPU tensor [B, Hkv, c, T]")
+    if keys.dtype not in KEY_FORMATS or not keys.is_contiguous() or keys.device.type != "cpu":
+        raise ValueError("keys must be a contiguous float32, float16 or bfloat16 CPU tensor [B, Hkv, c, T]")
     if not 0 <= length <= room:
         raise ValueError(f"length {length} exceeds the keys' room {room}")
     q = query.to(torch.float32).reshape(b * hkv, g, c).contiguous()
@@ -161,7 +179,7 @@ def select(
     out = torch.empty(r, max(length, 1), dtype=torch.int64)
     counts = torch.empty(r, dtype=torch.int64)
     n = lib.ig_select(
-        keys.data_ptr(), c * room, room, q.data_ptr(), r, g, c, length,
+        keys.data_ptr(), KEY_FORMATS[keys.dtype], c * room, room, q.data_ptr(), r, g, c, length,
         None if vmask is None else vmask.data_ptr(), AGGREGATIONS[aggregation], float(alpha),
         float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens),
         scores.data_ptr(), z.data_ptr(), tmp.data_ptr(), out.data_ptr(), counts.data_ptr(),

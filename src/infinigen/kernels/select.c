@@ -8,7 +8,8 @@
  * intrinsics, written so that the compiler vectorizes every pass for the CPU it runs on
  * (no branches inside the position loops).
  *
- * Rows r = (batch, KV head). keys: channel-major [R][C][ld] (T columns used), query: [R][G][C]
+ * Rows r = (batch, KV head). keys: channel-major [R][C][ld] (T columns used) in one of the key
+ * formats below, query: [R][G][C]
  * already multiplied by the attention scaling. valid: [R][T] bytes, or NULL when every
  * position exists.
  */
@@ -99,26 +100,74 @@ static float max_of(const float *x, int64_t n) {
     return top;
 }
 
+/* Key formats: the partial keys are kept at the KV's storage precision (a 16-bit format
+ * halves what stays with the compute) and widened to float here, tile by tile. The widenings
+ * are integer operations only (no F16C or AVX-512 BF16 needed), so they vectorize everywhere. */
+enum { KEYS_F32 = 0, KEYS_F16 = 1, KEYS_BF16 = 2 };
+
+static inline float widen_f32(float x) { return x; }
+
+static inline float widen_bf16(uint16_t h) {
+    union { uint32_t i; float f; } u = {.i = (uint32_t)h << 16};
+    return u.f;
+}
+
+/* IEEE half to float, exactly, branch-free. With the sign dropped, the exponent and mantissa
+ * shifted to float's places give 2^(e-15+112) * 1.m once the exponent is rebiased by 224, so a
+ * multiply by 2^-112 lands normals (and carries infinities and NaNs, exponent 31 -> 255);
+ * subnormals (exponent 0) are m * 2^-24 = (0.5 + m * 2^-24) - 0.5, built as a float in [0.5, 1). */
+static inline float widen_f16(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t body = w + w; /* exponent in bits 31..27, mantissa below */
+    union { uint32_t i; float f; } normal = {.i = (body >> 4) + (224u << 23)};
+    union { uint32_t i; float f; } sub = {.i = (body >> 17) | (126u << 23)};
+    union { uint32_t i; float f; } out;
+    out.f = body < (1u << 27) ? sub.f - 0.5f : normal.f * 0x1.0p-112f;
+    out.i |= w & 0x80000000u;
+    return out.f;
+}
+
 /* scores[g][t] = sum_c q[g][c] * k[c][t]: every key tile is read once for the whole group. */
-static void score_row(const float *k, int64_t ld, const float *q, int64_t G, int64_t C, int64_t T,
-                      float *scores) {
-    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
-        const int64_t n = T - t0 < TILE ? T - t0 : TILE;
-        float acc[MAX_GROUP][TILE];
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t i = 0; i < TILE; i++) acc[g][i] = 0.0f;
-        for (int64_t c = 0; c < C; c++) {
-            float kt[TILE];
-            const float *kc = k + c * ld + t0;
-            for (int64_t i = 0; i < n; i++) kt[i] = kc[i];
-            for (int64_t i = n; i < TILE; i++) kt[i] = 0.0f;
-            for (int64_t g = 0; g < G; g++) {
-                const float qc = q[g * C + c];
-                for (int64_t i = 0; i < TILE; i++) acc[g][i] += qc * kt[i];
-            }
-        }
-        for (int64_t g = 0; g < G; g++) memcpy(scores + g * T + t0, acc[g], (size_t)n * sizeof(float));
+#define SCORE_ROW(NAME, KEY_T, WIDEN)                                                               \
+    static void NAME(const KEY_T *k, int64_t ld, const float *q, int64_t G, int64_t C, int64_t T,   \
+                     float *scores) {                                                               \
+        for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                                  \
+            const int64_t n = T - t0 < TILE ? T - t0 : TILE;                                        \
+            float acc[MAX_GROUP][TILE];                                                             \
+            for (int64_t g = 0; g < G; g++)                                                         \
+                for (int64_t i = 0; i < TILE; i++) acc[g][i] = 0.0f;                                \
+            for (int64_t c = 0; c < C; c++) {                                                       \
+                float kt[TILE];                                                                     \
+                const KEY_T *kc = k + c * ld + t0;                                                  \
+                for (int64_t i = 0; i < n; i++) kt[i] = WIDEN(kc[i]);                               \
+                for (int64_t i = n; i < TILE; i++) kt[i] = 0.0f;                                    \
+                for (int64_t g = 0; g < G; g++) {                                                   \
+                    const float qc = q[g * C + c];                                                  \
+                    for (int64_t i = 0; i < TILE; i++) acc[g][i] += qc * kt[i];                     \
+                }                                                                                   \
+            }                                                                                       \
+            for (int64_t g = 0; g < G; g++) memcpy(scores + g * T + t0, acc[g], (size_t)n * sizeof(float)); \
+        }                                                                                           \
     }
+
+SCORE_ROW(score_row_f32, float, widen_f32)
+SCORE_ROW(score_row_f16, uint16_t, widen_f16)
+SCORE_ROW(score_row_bf16, uint16_t, widen_bf16)
+
+/* out[i] = keys[i] widened to float (the score pass's widening, exposed so that it can be
+   checked against every 16-bit pattern). */
+void ig_widen(const void *keys, int format, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++)
+        out[i] = format == KEYS_F16    ? widen_f16(((const uint16_t *)keys)[i])
+                 : format == KEYS_BF16 ? widen_bf16(((const uint16_t *)keys)[i])
+                                       : ((const float *)keys)[i];
+}
+
+static void score_row(const void *keys, int format, int64_t offset, int64_t ld, const float *q, int64_t G,
+                      int64_t C, int64_t T, float *scores) {
+    if (format == KEYS_F16) score_row_f16((const uint16_t *)keys + offset, ld, q, G, C, T, scores);
+    else if (format == KEYS_BF16) score_row_bf16((const uint16_t *)keys + offset, ld, q, G, C, T, scores);
+    else score_row_f32((const float *)keys + offset, ld, q, G, C, T, scores);
 }
 
 /* z[t]: the group's scores aggregated per position (see speculate.aggregate_group); -inf
@@ -173,7 +222,7 @@ static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, float *
 }
 
 /* Returns the largest count over rows (the width of the selection). */
-int64_t ig_select(const float *keys, int64_t key_row_stride, int64_t ld, const float *query,
+int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const float *query,
                   int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode,
                   float alpha, double budget, int64_t budget_tokens, int64_t min_tokens,
                   float *scores /* [G][T] */, float *z /* [T] */, float *tmp /* [T] */,
@@ -182,7 +231,7 @@ int64_t ig_select(const float *keys, int64_t key_row_stride, int64_t ld, const f
     int64_t widest = 0;
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *vr = valid ? valid + r * T : NULL;
-        score_row(keys + r * key_row_stride, ld, query + r * G * C, G, C, T, scores);
+        score_row(keys, key_format, r * key_row_stride, ld, query + r * G * C, G, C, T, scores);
         int64_t ctx = T;
         if (vr) {
             ctx = 0;

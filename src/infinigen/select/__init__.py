@@ -49,7 +49,7 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
         projections = projections_from_artifact(artifact, adapter.head_dim, folded, devices, channels)
         budgets = layer_budgets_from_artifact(artifact, knobs, selecting)
         maps = query_maps_from_artifact(artifact, knobs, selecting, adapter.num_heads, folded, devices)
-        return InfiniGenSelector(knobs, adapter, projections, budgets, selecting, maps)
+        return InfiniGenSelector(knobs, adapter, projections, budgets, selecting, maps, config.storage_dtype())
     if cls is OracleSelector:
         return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())
     return cls(knobs, adapter)

@@ -74,17 +74,22 @@ class InfiniGenSelector(Selector):
         layer_budgets: dict[int, float] | None = None,
         speculated: list[int] | range | None = None,
         query_maps: dict[int, torch.Tensor] | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """projections: per layer, the skew columns of the partial channels [Hkv, d, c]
         (see `projections_from_artifact`; c may differ between layers); layer_budgets: per
         speculated layer, its fraction (allocation "calibrated"; `speculate.allocate_budgets`),
         else `budget` everywhere; speculated: the layers whose channel counts `describe` reports;
-        query_maps: per layer, its fitted query map [D + 1, H·d] (`query_maps_from_artifact`)."""
+        query_maps: per layer, its fitted query map [D + 1, H·d] (`query_maps_from_artifact`);
+        kv_dtype: the KV's storage dtype, which the partial keys are kept in too (None: the
+        compute dtype). They stay with the compute for the whole context: with 16-bit KV they
+        take r of the stored keys' bytes, where float32 copies took 2r."""
         super().__init__(knobs, adapter)
         self.proj = projections
         self.layer_budgets = dict(layer_budgets or {})
         self.speculated = speculated if speculated is not None else range(0)
         self.query_maps = dict(query_maps or {})
+        self.kv_dtype = kv_dtype
 
     def channels(self, layer: int) -> int:
         """The number of partial channels this layer speculates with."""
@@ -116,7 +121,7 @@ class InfiniGenSelector(Selector):
         return PartialKeys()
 
     def on_append(self, state: PartialKeys, layer, keys, valid) -> None:
-        kp = project_partial(keys, self.proj[layer]).to(keys.dtype)  # scored every step: compute dtype
+        kp = project_partial(keys, self.proj[layer]).to(self.kv_dtype or keys.dtype)
         state.buffer.append(kp.transpose(-1, -2))
 
     def scores(self, state: PartialKeys, layer: int, query: torch.Tensor, past: int, valid) -> torch.Tensor:
@@ -129,7 +134,12 @@ class InfiniGenSelector(Selector):
         k = self.knobs
         keys = state.buffer.full
         budget = self.budget(layer)
-        if k.block_tokens <= 1 and keys.dtype == torch.float32 and keys.device.type == "cpu" and kernels.available():
+        if (
+            k.block_tokens <= 1
+            and keys.dtype in kernels.KEY_FORMATS
+            and keys.device.type == "cpu"
+            and kernels.available()
+        ):
             # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
             q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
             q_scaled = q_part.to(torch.float32) * self.adapter.scaling(layer)
