@@ -11,14 +11,20 @@ import torch
 
 
 def commit() -> str:
-    """The short commit of the checkout the package runs from ('unknown' outside git)."""
+    """The short commit of the checkout the package runs from, with "+modified" when the
+    package's tracked sources differ from it (a result then came from code no commit holds);
+    'unknown' outside git."""
+    root = Path(__file__).resolve().parents[2]
     try:
-        root = Path(__file__).resolve().parents[2]
-        return subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        head = _git(root, "rev-parse", "--short", "HEAD").stdout.strip()
     except Exception:
         return "unknown"
+    changed = _git(root, "diff", "--quiet", "HEAD", "--", str(Path(__file__).resolve().parent), check=False)
+    return head + ("+modified" if changed.returncode == 1 else "")
+
+
+def _git(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=check)
 
 
 def machine() -> dict:
