@@ -27,6 +27,9 @@ def _start(*argv: str, cache: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
+        # Ctrl-C as a terminal delivers it: a suite started in the background (`make test &`)
+        # inherits SIGINT ignored, and Python would then never raise KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
