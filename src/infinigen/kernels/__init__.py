@@ -126,14 +126,20 @@ def available() -> bool:
     return library() is not None
 
 
-def widen(keys: torch.Tensor) -> torch.Tensor:
-    """`keys` (contiguous, CPU, a `KEY_FORMATS` dtype) widened to float32 as the selection
-    kernel widens them when it scores."""
+def _library_for(keys: torch.Tensor) -> ctypes.CDLL:
+    """The compiled kernels, after checking that they can read `keys`."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"the C selection kernel is unavailable: {_why_not}")
     if keys.dtype not in KEY_FORMATS or not keys.is_contiguous() or keys.device.type != "cpu":
         raise ValueError("keys must be a contiguous float32, float16 or bfloat16 CPU tensor")
+    return lib
+
+
+def widen(keys: torch.Tensor) -> torch.Tensor:
+    """`keys` (contiguous, CPU, a `KEY_FORMATS` dtype) widened to float32 as the selection
+    kernel widens them when it scores."""
+    lib = _library_for(keys)
     out = torch.empty(keys.shape, dtype=torch.float32)
     lib.ig_widen(keys.data_ptr(), KEY_FORMATS[keys.dtype], keys.numel(), out.data_ptr())
     return out
@@ -158,14 +164,10 @@ def select(
     query: [B, H, c] partial queries already multiplied by the attention scaling;
     valid: [B, Hkv, length] bool, or None when every position exists.
     Returns (indices [B, Hkv, n] ascending, padding slots 0; counts [B, Hkv])."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the C selection kernel is unavailable: {_why_not}")
+    lib = _library_for(keys)
     b, hkv, c, room = keys.shape
     h = query.shape[1]
     g = h // hkv
-    if keys.dtype not in KEY_FORMATS or not keys.is_contiguous() or keys.device.type != "cpu":
-        raise ValueError("keys must be a contiguous float32, float16 or bfloat16 CPU tensor [B, Hkv, c, T]")
     if not 0 <= length <= room:
         raise ValueError(f"length {length} exceeds the keys' room {room}")
     q = query.to(torch.float32).reshape(b * hkv, g, c).contiguous()
