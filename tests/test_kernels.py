@@ -10,7 +10,7 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from infinigen import InfiniGenConfig, attach, kernels
-from infinigen.speculate import aggregate_group, all_valid, partial_scores, select_positions
+from infinigen.speculate import aggregate_group, all_valid, partial_scores, select_positions, top_up
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -114,6 +114,61 @@ def test_kernel_all_valid_view_equals_explicit_mask_and_honours_room():
         kernels.select(keys, 101, query, None, "union", 3.0, 1.0, None, 2)
 
 
+def _chosen_and_counts(seed: int, valid: torch.Tensor):
+    """A speculated selection to top up (some positions already chosen) and per-row counts,
+    from none to more than the open positions."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    chosen = (torch.rand(valid.shape, generator=gen) < 0.3) & valid
+    t = valid.shape[-1]
+    count = torch.tensor([[0, 1], [max(1, t // 5), 2 * t]])
+    return chosen, count
+
+
+@pytest.mark.parametrize("agg", ["union", "max", "sum"])
+@pytest.mark.parametrize("t", [1, 9, 40, 300])
+@pytest.mark.parametrize("padded", [False, True])
+def test_kernel_top_up_equals_tensor_path(agg, t, padded):
+    """The correction's top-up: the same positions as `speculate.top_up`, ties (integer scores
+    tie often) included, every row count from none to more than is open."""
+    for seed in range(3):
+        keys, query, valid = _case(seed, t=t, padded=padded)
+        chosen, count = _chosen_and_counts(seed, valid)
+        _, g = _reference(keys, query, valid, t, agg, math.inf, 1.0, None, 1)
+        ref = top_up(g, valid, chosen, count)
+        idx, counts = kernels.top_up(keys, t, query, valid if padded else None, agg, chosen, count)
+        assert torch.equal(counts, ref.counts)
+        n = idx.shape[-1]
+        assert n == ref.indices.shape[-1]
+        slots = torch.arange(n) < counts[..., None]
+        assert torch.equal(torch.where(slots, idx, 0), ref.indices)
+        assert not idx[~slots].any()
+        picked = torch.zeros_like(valid).scatter_(-1, idx, slots)
+        assert not (picked & chosen).any() and not (picked & ~valid).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_top_up_mass_matches_up_to_rounding(dtype):
+    t = 2000
+    for seed in range(3):
+        keys, query, valid = _case(seed, t=t)
+        keys = (keys * 0.37).to(dtype)
+        chosen, count = _chosen_and_counts(seed, valid)
+        _, g = _reference(keys.float(), query, valid, t, "mass", math.inf, 1.0, None, 1)
+        ref = top_up(g, valid, chosen, count)
+        idx, counts = kernels.top_up(keys, t, query, valid, "mass", chosen, count)
+        assert torch.equal(counts, ref.counts)
+        for bb in range(2):
+            for h in range(2):
+                if not counts[bb, h]:
+                    continue
+                want = set(ref.indices[bb, h, : ref.counts[bb, h]].tolist())
+                got = set(idx[bb, h, : counts[bb, h]].tolist())
+                cut = g[bb, h, sorted(want)].min()
+                tol = 1e-4 * max(1.0, float(cut.abs()))
+                near = {p for p in range(t) if valid[bb, h, p] and abs(g[bb, h, p] - cut) < tol}
+                assert want ^ got <= near
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_widens_every_16_bit_pattern_exactly(dtype):
     """The partial keys may be kept in 16 bits: the kernel's integer-only widening equals
@@ -138,12 +193,22 @@ def test_kernel_on_16_bit_keys_equals_its_float32_run_on_the_widened_keys(dtype,
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
-def test_16_bit_partial_keys_decode_the_same_through_the_kernel_and_the_tensor_path(kv_dtype, monkeypatch):
+@pytest.mark.parametrize("kv_dtype, correction", [("float16", 0.0), ("bfloat16", 0.0), ("float16", 0.05), (None, 0.05)])
+def test_decode_is_the_same_through_the_kernels_and_the_tensor_path(kv_dtype, correction, monkeypatch):
     """With a 16-bit KV the partial keys are kept in 16 bits; the kernel widens them as the
-    tensor path does, so a decode selects the same rows and yields the same logits."""
+    tensor path does, and a correction's top-up picks the same rows, so a decode selects the
+    same rows and yields the same logits."""
     ids = torch.randint(3, VOCAB, (1, 160), generator=torch.Generator().manual_seed(11))
-    cfg = InfiniGenConfig(budget=0.1, calibration_tokens=64, kv_dtype=kv_dtype)
+    cfg = InfiniGenConfig(budget=0.1, calibration_tokens=64, kv_dtype=kv_dtype, correction=correction)
+    calls = {"select": 0, "top_up": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
     runs = []
     for enabled in ("1", "0"):
         monkeypatch.setenv("INFINIGEN_KERNELS", enabled)
@@ -153,8 +218,13 @@ def test_16_bit_partial_keys_decode_the_same_through_the_kernel_and_the_tensor_p
                 input_ids=ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
                 output_logits=True, return_dict_in_generate=True,
             )  # fmt: skip
-            held = cache.summary()["selector_bytes"]
-        runs.append((out.sequences, torch.stack(out.logits), held))
-    (seq_c, logits_c, held_c), (seq_t, logits_t, held_t) = runs
-    assert torch.equal(seq_c, seq_t) and held_c == held_t
+            summary = cache.summary()
+        runs.append((out.sequences, torch.stack(out.logits), summary["selector_bytes"], summary["correction_bytes"]))
+        if enabled == "1":  # the kernels ran (the second run is the tensor path's alone)
+            assert calls["select"] > 0 and (calls["top_up"] > 0) == (correction > 0)
+            calls.update(select=0, top_up=0)
+    assert calls == {"select": 0, "top_up": 0}
+    (seq_c, logits_c, held_c, topped_c), (seq_t, logits_t, held_t, topped_t) = runs
+    assert torch.equal(seq_c, seq_t) and held_c == held_t and topped_c == topped_t
+    assert (topped_c > 0) == (correction > 0)
     torch.testing.assert_close(logits_c, logits_t, rtol=1e-5, atol=1e-5)

@@ -156,19 +156,28 @@ def select_positions(
         return Selection(empty, empty.bool())
     adjust = count != kept  # the cap or the floor moved these rows off the threshold
     if bool(adjust.any()):
-        # Rows whose count changed keep their top-`count` scores: threshold at the count-th best.
-        k = int(count[adjust].max().item())
+        # Rows whose count changed keep their top-`count` scores instead.
         ranked = group_scores if is_all_valid(valid) else group_scores.masked_fill(~valid, -math.inf)
-        best = torch.topk(ranked, k, dim=-1, sorted=True).values
-        kth = best.gather(-1, (count - 1).clamp(min=0, max=k - 1)[..., None])  # used where adjust only
-        # Everything above the cut is kept; exact ties at the cut fill the rest of the count,
-        # earliest first (they never push a row past its count, nor crowd out a higher score).
-        above = (group_scores > kth) & valid
-        ties = (group_scores == kth) & valid
-        room = count - above.sum(-1)
-        cut = above | (ties & (ties.long().cumsum(-1) <= room[..., None]))
+        cut = best_count(ranked, valid, torch.where(adjust, count, 0))
         keep = torch.where(adjust[..., None], cut, keep)
     return selection_from_mask(keep, count)
+
+
+def best_count(ranked: torch.Tensor, allowed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The mask [B, Hkv, T] of each row's `count` [B, Hkv] best `ranked` scores among the positions
+    `allowed` (where `ranked` is -inf elsewhere; count <= the allowed positions). Everything
+    above the count-th best is kept, and exact ties at it fill the rest of the count earliest
+    first, so a tie never pushes a row past its count nor crowds out a higher score (the
+    selection kernel applies the same rule)."""
+    k = int(count.max().item()) if count.numel() else 0
+    if k == 0:
+        return torch.zeros_like(allowed)
+    best = torch.topk(ranked, k, dim=-1, sorted=True).values
+    kth = best.gather(-1, (count - 1).clamp(min=0, max=k - 1)[..., None])
+    above = (ranked > kth) & allowed
+    ties = (ranked == kth) & allowed
+    room = count - above.sum(-1)
+    return (above | (ties & (ties.long().cumsum(-1) <= room[..., None]))) & (count > 0)[..., None]
 
 
 def selection_from_mask(keep: torch.Tensor, counts: torch.Tensor | None = None) -> Selection:
@@ -485,9 +494,4 @@ def top_up(group_scores: torch.Tensor, valid: torch.Tensor, chosen: torch.Tensor
     if k == 0 or t == 0:
         empty = torch.zeros(b, hkv, 0, dtype=torch.long, device=group_scores.device)
         return Selection(empty, empty.bool())
-    ranked = group_scores.masked_fill(~open_, -math.inf)
-    best = torch.topk(ranked, k, dim=-1, sorted=True).indices  # [B, Hkv, k]
-    keep = torch.zeros_like(open_)
-    slots = torch.arange(k, device=best.device)[None, None, :] < count[..., None]
-    keep.scatter_(-1, best, slots)
-    return selection_from_mask(keep & open_)
+    return selection_from_mask(best_count(group_scores.masked_fill(~open_, -math.inf), open_, count), count)

@@ -33,6 +33,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c")]
 AGGREGATIONS = {"max": 0, "union": 1, "sum": 2, "mass": 3}
 # The partial keys' formats the selection kernel reads (widened to float32 as it scores).
 KEY_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MAX_GROUP = 16  # query heads per KV head the kernels take (select.c's MAX_GROUP)
 # -fno-trapping-math lets the compiler turn the kernels' float selects into vector blends (the
 # results are IEEE-identical; only floating-point exception flags could differ, and none are read).
 _FLAG_SETS = (["-O3", "-march=native", "-fno-trapping-math"], ["-O3", "-fno-trapping-math"])
@@ -88,6 +89,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     p, i64, f32, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
     lib.ig_select.restype = i64
     lib.ig_select.argtypes = [p, cint, i64, i64, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, p, p, p, p, p]
+    lib.ig_top_up.restype = i64
+    lib.ig_top_up.argtypes = [p, cint, i64, i64, p, i64, i64, i64, i64, p, cint, p, p, p, p, p, p, p]
     lib.ig_widen.restype = None
     lib.ig_widen.argtypes = [p, cint, i64, p]
     u64 = ctypes.c_uint64
@@ -164,26 +167,66 @@ def select(
     query: [B, H, c] partial queries already multiplied by the attention scaling;
     valid: [B, Hkv, length] bool, or None when every position exists.
     Returns (indices [B, Hkv, n] ascending, padding slots 0; counts [B, Hkv])."""
-    lib = _library_for(keys)
-    b, hkv, c, room = keys.shape
-    h = query.shape[1]
-    g = h // hkv
-    if not 0 <= length <= room:
-        raise ValueError(f"length {length} exceeds the keys' room {room}")
-    q = query.to(torch.float32).reshape(b * hkv, g, c).contiguous()
-    r = b * hkv
-    vmask = None
-    if valid is not None:
-        vmask = valid.reshape(r, length).to(torch.uint8).contiguous()
-    scores = torch.empty(g, max(length, 1), dtype=torch.float32)
-    z = torch.empty(max(length, 1), dtype=torch.float32)
-    tmp = torch.empty_like(z)
-    out = torch.empty(r, max(length, 1), dtype=torch.int64)
-    counts = torch.empty(r, dtype=torch.int64)
-    n = lib.ig_select(
-        keys.data_ptr(), KEY_FORMATS[keys.dtype], c * room, room, q.data_ptr(), r, g, c, length,
-        None if vmask is None else vmask.data_ptr(), AGGREGATIONS[aggregation], float(alpha),
-        float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens),
-        scores.data_ptr(), z.data_ptr(), tmp.data_ptr(), out.data_ptr(), counts.data_ptr(),
+    call = _Call(keys, length, query, valid)
+    n = call.lib.ig_select(
+        *call.head, AGGREGATIONS[aggregation], float(alpha),
+        float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens), *call.tail,
     )  # fmt: skip
-    return out[:, :n].reshape(b, hkv, n), counts.reshape(b, hkv)
+    return call.result(n)
+
+
+def top_up(
+    keys: torch.Tensor,
+    length: int,
+    query: torch.Tensor,
+    valid: torch.Tensor | None,
+    aggregation: str,
+    chosen: torch.Tensor,
+    count: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A correction's top-up in one call (the rule of `speculate.top_up` on the group scores of
+    `speculate.aggregate_group`): per (batch, KV head), the `count` [B, Hkv] best positions by
+    `query` (layer i's own, scaled) among the valid ones that `chosen` [B, Hkv, length] (bool)
+    does not hold, fewer where fewer are open. Arguments and result as `select`."""
+    call = _Call(keys, length, query, valid)
+    r = call.rows
+    chosen_bytes = chosen.reshape(r, length).to(torch.uint8).contiguous()
+    want = count.reshape(r).to(torch.int64).contiguous()
+    n = call.lib.ig_top_up(
+        *call.head, AGGREGATIONS[aggregation], chosen_bytes.data_ptr(), want.data_ptr(), *call.tail
+    )  # fmt: skip
+    return call.result(n)
+
+
+class _Call:
+    """The arguments `select` and `top_up` share (keys, query, valid, scratch and output
+    buffers), checked and laid out as the kernels read them."""
+
+    def __init__(self, keys: torch.Tensor, length: int, query: torch.Tensor, valid: torch.Tensor | None) -> None:
+        self.lib = _library_for(keys)
+        b, hkv, c, room = keys.shape
+        g = query.shape[1] // hkv
+        if not 0 <= length <= room:
+            raise ValueError(f"length {length} exceeds the keys' room {room}")
+        self.shape, self.rows = (b, hkv), b * hkv
+        self._keep = [query.to(torch.float32).reshape(self.rows, g, c).contiguous()]
+        vmask = None
+        if valid is not None:
+            vmask = valid.reshape(self.rows, length).to(torch.uint8).contiguous()
+            self._keep.append(vmask)
+        self.out = torch.empty(self.rows, max(length, 1), dtype=torch.int64)
+        self.counts = torch.empty(self.rows, dtype=torch.int64)
+        f32 = torch.float32
+        scratch = [torch.empty(g, max(length, 1), dtype=f32), torch.empty(max(length, 1), dtype=f32)]
+        scratch.append(torch.empty_like(scratch[1]))
+        self._keep += scratch
+        self.head = (
+            keys.data_ptr(), KEY_FORMATS[keys.dtype], c * room, room, self._keep[0].data_ptr(), self.rows, g, c,
+            length, None if vmask is None else vmask.data_ptr(),
+        )  # fmt: skip
+        self.tail = (*(t.data_ptr() for t in scratch), self.out.data_ptr(), self.counts.data_ptr())
+
+    def result(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n < 0:
+            raise ValueError(f"a GQA group of more than {MAX_GROUP} query heads per KV head is not supported")
+        return self.out[:, :n].reshape(*self.shape, n), self.counts.reshape(self.shape)

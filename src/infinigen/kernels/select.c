@@ -2,8 +2,9 @@
  * group's partial queries against the partial keys, aggregated per KV head, then the
  * threshold / cap / floor rule, written out as ascending positions.
  *
- * It computes exactly the rule of infinigen.speculate (aggregate_group + select_positions) in
- * a few passes over the partial keys instead of a dozen tensor operations; the Python side
+ * It computes exactly the rule of infinigen.speculate (aggregate_group + select_positions, and
+ * top_up for a correction) in a few passes over the partial keys instead of a dozen tensor
+ * operations; the Python side
  * falls back to those operations when this file cannot be compiled. Plain C99 without
  * intrinsics, written so that the compiler vectorizes every pass for the CPU it runs on
  * (no branches inside the position loops).
@@ -221,6 +222,59 @@ static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, float *
     }
 }
 
+/* z[t]: row r's aggregated group scores, -inf where not valid (vr: that row's valid bytes, or
+   NULL) and where the aggregation gives NaN. Returns the row's context (its valid positions);
+   z is not written when that is 0. */
+static int64_t group_scores_row(const void *keys, int key_format, int64_t offset, int64_t ld, const float *q,
+                                int64_t G, int64_t C, int64_t T, const uint8_t *vr, int mode, float *scores,
+                                float *z, float *tmp) {
+    score_row(keys, key_format, offset, ld, q, G, C, T, scores);
+    int64_t ctx = T;
+    if (vr) {
+        ctx = 0;
+        for (int64_t t = 0; t < T; t++) ctx += vr[t] != 0;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t t = 0; t < T; t++) scores[g * T + t] = vr[t] ? scores[g * T + t] : -INFINITY;
+    }
+    if (ctx == 0) return 0;
+    aggregate_row(scores, G, T, mode, z, tmp);
+    for (int64_t t = 0; t < T; t++) z[t] = z[t] == z[t] ? z[t] : -INFINITY; /* a NaN never selects */
+    return ctx;
+}
+
+/* Whether position t may be chosen: valid (vr NULL: all are) and not excluded (ex NULL: none is). */
+static inline int open_at(const uint8_t *vr, const uint8_t *ex, int64_t t) {
+    return (!vr || vr[t]) && !(ex && ex[t]);
+}
+
+/* The count-th largest z over the open positions (count >= 1, at most how many are open). */
+static float cut_at(const float *z, const uint8_t *vr, const uint8_t *ex, int64_t T, int64_t count, float *tmp) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; t++) if (open_at(vr, ex, t)) tmp[n++] = z[t];
+    return kth_largest(tmp, n, count - 1);
+}
+
+/* Writes ascending the open positions above `cut`, and exact ties at the cut earliest first, up
+   to `count`; returns how many it wrote. */
+static int64_t emit_above(const float *z, const uint8_t *vr, const uint8_t *ex, int64_t T, int64_t count, float cut,
+                          int64_t *out) {
+    int64_t above = 0;
+    for (int64_t t = 0; t < T; t++) above += open_at(vr, ex, t) && z[t] > cut;
+    int64_t m = 0, ties = count - above;
+    for (int64_t t = 0; t < T && m < count; t++) {
+        if (!open_at(vr, ex, t)) continue;
+        if (z[t] > cut) out[m++] = t;
+        else if (z[t] == cut && ties > 0) { out[m++] = t; ties--; }
+    }
+    return m;
+}
+
+/* Padding slots (past each row's count, up to the widest) hold position 0. */
+static void pad_rows(int64_t R, int64_t T, const int64_t *count, int64_t widest, int64_t *out_idx) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t m = count[r]; m < widest; m++) out_idx[r * T + m] = 0;
+}
+
 /* Returns the largest count over rows (the width of the selection). */
 int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const float *query,
                   int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode,
@@ -231,18 +285,10 @@ int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int6
     int64_t widest = 0;
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *vr = valid ? valid + r * T : NULL;
-        score_row(keys, key_format, r * key_row_stride, ld, query + r * G * C, G, C, T, scores);
-        int64_t ctx = T;
-        if (vr) {
-            ctx = 0;
-            for (int64_t t = 0; t < T; t++) ctx += vr[t] != 0;
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t t = 0; t < T; t++) scores[g * T + t] = vr[t] ? scores[g * T + t] : -INFINITY;
-        }
         out_count[r] = 0;
+        const int64_t ctx = group_scores_row(keys, key_format, r * key_row_stride, ld, query + r * G * C, G, C, T, vr,
+                                             mode, scores, z, tmp);
         if (ctx == 0) continue;
-        aggregate_row(scores, G, T, mode, z, tmp);
-        for (int64_t t = 0; t < T; t++) z[t] = z[t] == z[t] ? z[t] : -INFINITY; /* a NaN never selects */
 
         /* threshold, cap, floor */
         const float thr = max_of(z, T) - alpha;
@@ -258,25 +304,35 @@ int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int6
         const int64_t floor_ = ctx < min_tokens ? ctx : min_tokens;
         if (count < floor_) count = floor_;
         if (count > ctx) count = ctx;
-        float cut = thr;
-        if (count != kept) { /* the count-th largest valid score becomes the threshold */
-            int64_t n = 0;
-            for (int64_t t = 0; t < T; t++) if (!vr || vr[t]) tmp[n++] = z[t];
-            cut = kth_largest(tmp, n, count - 1);
-        }
-        /* everything above the cut, and exact ties at the cut, earliest first, up to the count */
-        int64_t above = 0;
-        for (int64_t t = 0; t < T; t++) above += (!vr || vr[t]) && z[t] > cut;
-        int64_t *out = out_idx + r * T, m = 0, ties = count - above;
-        for (int64_t t = 0; t < T && m < count; t++) {
-            if (vr && !vr[t]) continue;
-            if (z[t] > cut) out[m++] = t;
-            else if (z[t] == cut && ties > 0) { out[m++] = t; ties--; }
-        }
-        out_count[r] = m;
-        if (m > widest) widest = m;
+        /* the count-th largest valid score becomes the threshold when the cap or floor moved it */
+        const float cut = count != kept ? cut_at(z, vr, NULL, T, count, tmp) : thr;
+        out_count[r] = emit_above(z, vr, NULL, T, count, cut, out_idx + r * T);
+        if (out_count[r] > widest) widest = out_count[r];
     }
-    for (int64_t r = 0; r < R; r++) /* padding slots hold position 0 */
-        for (int64_t m = out_count[r]; m < widest; m++) out_idx[r * T + m] = 0;
+    pad_rows(R, T, out_count, widest, out_idx);
+    return widest;
+}
+
+/* Speculate, then correct: per row, the want[r] best positions by the same group scores (from
+   layer i's own query) among the valid ones that `chosen` [R][T] (bytes) does not hold, fewer
+   when fewer are open. Same rule for ties as ig_select; returns the widest row. */
+int64_t ig_top_up(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const float *query,
+                  int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode, const uint8_t *chosen,
+                  const int64_t *want, float *scores, float *z, float *tmp, int64_t *out_idx, int64_t *out_count) {
+    if (G > MAX_GROUP) return -1;
+    int64_t widest = 0;
+    for (int64_t r = 0; r < R; r++) {
+        const uint8_t *vr = valid ? valid + r * T : NULL, *ex = chosen + r * T;
+        out_count[r] = 0;
+        int64_t open = 0;
+        for (int64_t t = 0; t < T; t++) open += open_at(vr, ex, t);
+        const int64_t count = want[r] < open ? want[r] : open;
+        if (count <= 0) continue;
+        group_scores_row(keys, key_format, r * key_row_stride, ld, query + r * G * C, G, C, T, vr, mode, scores, z,
+                         tmp);
+        out_count[r] = emit_above(z, vr, ex, T, count, cut_at(z, vr, ex, T, count, tmp), out_idx + r * T);
+        if (out_count[r] > widest) widest = out_count[r];
+    }
+    pad_rows(R, T, out_count, widest, out_idx);
     return widest;
 }

@@ -132,25 +132,31 @@ class InfiniGenSelector(Selector):
 
     def select(self, state, layer, query, past, valid) -> Selection:
         k = self.knobs
-        keys = state.buffer.full
         budget = self.budget(layer)
-        if (
-            k.block_tokens <= 1
-            and keys.dtype in kernels.KEY_FORMATS
-            and keys.device.type == "cpu"
-            and kernels.available()
-        ):
+        if k.block_tokens <= 1 and self._kernel_reads(state, query):
             # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
-            q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
-            q_scaled = q_part.to(torch.float32) * self.adapter.scaling(layer)
             idx, counts = kernels.select(
-                keys, past, q_scaled, None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
+                state.buffer.full, past, self._scaled_partial_query(layer, query),
+                None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
                 budget, k.budget_tokens, k.min_tokens,
             )  # fmt: skip
-            slots = torch.arange(idx.shape[-1], device=idx.device)
-            return Selection(idx, slots < counts[..., None])
+            return _selection(idx, counts)
         g = self.scores(state, layer, query, past, valid)
         return select_blocks(g, valid, k.block_tokens, self.alpha(layer), budget, k.budget_tokens, k.min_tokens)
+
+    def _kernel_reads(self, state: PartialKeys, query: torch.Tensor) -> bool:
+        """Whether the C kernels can score these partial keys (else the tensor path does)."""
+        keys = state.buffer.full
+        return (
+            keys.dtype in kernels.KEY_FORMATS
+            and keys.device.type == "cpu"
+            and query.shape[1] // keys.shape[1] <= kernels.MAX_GROUP
+            and kernels.available()
+        )
+
+    def _scaled_partial_query(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
+        return q_part.to(torch.float32) * self.adapter.scaling(layer)
 
     def describe(self) -> dict:
         out = super().describe()
@@ -166,10 +172,22 @@ class InfiniGenSelector(Selector):
         context) best positions the speculated `selection` does not hold."""
         if self.knobs.correction <= 0 or past == 0:
             return None
-        g = self.scores(state, layer, query, past, valid)
-        ctx = valid.sum(-1) if not is_all_valid(valid) else torch.full(g.shape[:2], past, device=g.device)
+        all_valid = is_all_valid(valid)
+        ctx = torch.full(valid.shape[:2], past, device=valid.device) if all_valid else valid.sum(-1)
         count = torch.ceil(ctx.to(torch.float64) * self.knobs.correction).to(torch.long)
-        return top_up(g, valid, selection_mask(selection, past), count)
+        chosen = selection_mask(selection, past)
+        if self._kernel_reads(state, query):
+            idx, counts = kernels.top_up(
+                state.buffer.full, past, self._scaled_partial_query(layer, query), None if all_valid else valid,
+                self.knobs.aggregation, chosen, count,
+            )  # fmt: skip
+            return _selection(idx, counts)
+        return top_up(self.scores(state, layer, query, past, valid), valid, chosen, count)
+
+
+def _selection(idx: torch.Tensor, counts: torch.Tensor) -> Selection:
+    """A kernel's (indices, counts) as a Selection (slots past a row's count are padding)."""
+    return Selection(idx, torch.arange(idx.shape[-1], device=idx.device) < counts[..., None])
 
 
 def layer_budgets_from_artifact(artifact, knobs: SpeculationKnobs, layers: list[int]) -> dict[int, float]:
