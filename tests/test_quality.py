@@ -94,6 +94,16 @@ def test_top_up_adds_the_best_positions_the_selection_missed():
             assert set(torch.nonzero(got[i, j]).flatten().tolist()) == set(best)
 
 
+def test_top_up_breaks_ties_at_the_cut_earliest_first():
+    """Ties at the count-th best fill the rest of the count earliest first, as in the selection
+    (so the C kernel and the tensor path choose the same rows), never more than the count."""
+    scores = torch.tensor([[[1.0, 2.0, 1.0, 3.0, 1.0, 1.0]]])
+    valid = torch.ones(1, 1, 6, dtype=torch.bool)
+    chosen = torch.tensor([[[False, False, True, False, False, False]]])
+    got = top_up(scores, valid, chosen, torch.tensor([[3]]))
+    assert got.counts.tolist() == [[3]] and got.indices[0, 0].tolist() == [0, 1, 3]
+
+
 # ---------------------------------------------------------------------- greedy by teacher forcing
 @pytest.mark.parametrize(
     "cfg",
