@@ -1,5 +1,7 @@
 """Skew matrices, folding, artifacts and their verification."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from conftest import left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, SkewArtifact, SkewArtifactError, attach
 from infinigen.models import get_adapter
 from infinigen.skew import calibrate, model_fingerprint, synthetic_calibration_ids
+from infinigen.skew.calibrate import SYNTHETIC_SOURCE
 
 
 def _artifact(model, ratio=0.3, skewed=True):
@@ -199,6 +202,35 @@ def test_a_damaged_or_stale_artifact_is_never_used(monkeypatch, tmp_path, how):
     assert _cached(tmp_path) == [path]
     assert SkewArtifact.load(path).fingerprint == good.fingerprint  # replaced by a sound one
     assert sorted(p.name for p in (tmp_path / "skew").iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize("made_on", ["prose:0123456789abcdef", None, "file:0123456789abcdef"])
+def test_a_cached_artifact_of_another_default_text_is_recalibrated(monkeypatch, tmp_path, made_on):
+    """An artifact records what it was calibrated on. One made on another default text (an
+    older version's, or without the record) is recalibrated with a warning; one made on the
+    user's own text (`infinigen skew --calibration-file`) is theirs and is used."""
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama")
+    cfg = InfiniGenConfig(calibration_tokens=64)
+    with attach(model, cfg, progress=False) as session:
+        assert session.artifact.meta["calibration"] == SYNTHETIC_SOURCE  # no tokenizer: seeded ids
+    (path,) = _cached(tmp_path)
+    art = SkewArtifact.load(path)
+    if made_on is None:
+        del art.meta["calibration"]
+    else:
+        art.meta["calibration"] = made_on
+    art.save(path)
+    if made_on is not None and made_on.startswith("file:"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with attach(model, cfg, progress=False) as session:
+                assert session.artifact.meta["calibration"] == made_on
+        return
+    with pytest.warns(UserWarning, match="was calibrated on .*not on synthetic ids.*recalibrating"):
+        with attach(model, cfg, progress=False) as session:
+            assert session.artifact.meta["calibration"] == SYNTHETIC_SOURCE
+    assert SkewArtifact.load(path).meta["calibration"] == SYNTHETIC_SOURCE
 
 
 def test_interrupted_calibration_or_save_leaves_nothing_and_the_next_run_calibrates(monkeypatch, tmp_path):

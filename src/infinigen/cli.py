@@ -204,10 +204,13 @@ def cmd_skew(args: argparse.Namespace) -> int:
         calibrate,
         calibration_ids,
         calibration_length,
+        calibration_text,
         collect_qk,
+        default_calibration_source,
         model_fingerprint,
         query_mass_in_channels,
         skew_from_qk,
+        text_calibration_source,
     )
 
     config = from_arguments(args, RUN_DEFAULTS, policy="infinigen")
@@ -219,7 +222,8 @@ def cmd_skew(args: argparse.Namespace) -> int:
     tokens = calibration_length(config.calibration_tokens, adapter)
     ids = calibration_ids(tok, tokens, text)
     fp = model_fingerprint(model)
-    art = calibrate(model, adapter, ids, config.partial_ratio, config.skew, fp, progress=not args.quiet)
+    source = default_calibration_source() if text is None else text_calibration_source(text)
+    art = calibrate(model, adapter, ids, config.partial_ratio, config.skew, fp, progress=not args.quiet, source=source)
     out = (
         Path(args.output)
         if args.output
@@ -227,8 +231,13 @@ def cmd_skew(args: argparse.Namespace) -> int:
     )
     art.save(out)
     print(f"skew artifact: {out}  ({adapter.num_layers} layers, {tokens} calibration tokens, r={config.partial_ratio})")
-    # Report the query mass held by the partial channels, skewed vs not, on held-out text.
-    held = calibration_ids(tok, min(1024, tokens), text=None if text is None else text[: len(text) // 2])
+    # Report the query mass held by the partial channels, skewed vs not, on held-out text: the
+    # essay's opening (the default calibrates on its end), or the first half of the user's text.
+    held_text = text[: len(text) // 2] if text is not None else None
+    if held_text is None:
+        held = tok(calibration_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, : min(1024, tokens)]
+    else:
+        held = calibration_ids(tok, min(1024, tokens), text=held_text)
     qs, ks = collect_qk(model, adapter, held, progress=False)
     rows = []
     for i in range(adapter.num_layers):

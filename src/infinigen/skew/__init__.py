@@ -14,12 +14,15 @@ from pathlib import Path
 from infinigen.paths import default_cache_dir
 from infinigen.skew.artifact import SkewArtifact, SkewArtifactError, artifact_path, model_fingerprint
 from infinigen.skew.calibrate import (
+    SYNTHETIC_SOURCE,
     calibrate,
     calibration_ids,
     calibration_text,
     collect_qk,
+    default_calibration_source,
     default_calibration_tokens,
     synthetic_calibration_ids,
+    text_calibration_source,
 )
 from infinigen.skew.channels import query_mass_in_channels, skew_from_qk
 
@@ -31,6 +34,17 @@ class SkewArtifactWarning(UserWarning):
 def calibration_length(calibration_tokens: int | None, adapter) -> int:
     """Tokens to calibrate over: as asked, else the model's context (at most 8192)."""
     return min(calibration_tokens or default_calibration_tokens(adapter), adapter.max_positions)
+
+
+def check_calibration_source(art: SkewArtifact, default: str, path: Path) -> None:
+    """Refuse a cached artifact calibrated on another default text than today's `default`
+    (an older version's, or another interpreter's library sources); one calibrated on the
+    user's own text (`infinigen skew --calibration-file`) is theirs and stays."""
+    made_on = art.meta.get("calibration")
+    if made_on is not None and (made_on == default or made_on.startswith("file:")):
+        return
+    reason = f"was calibrated on {f'other text ({made_on})' if made_on else 'an older default text'}, not on {default}"
+    raise SkewArtifactError(f"skew artifact {path} {reason}", path, reason)
 
 
 def skew_command(knobs, output: str | Path, model: str | None = None) -> str:
@@ -80,7 +94,9 @@ def obtain_artifact(
     source: an artifact or a path to one (refused, with the command that recomputes it, if it
     cannot be read, is damaged or does not match), else the cached one under `cache_dir` (if it
     cannot be used: recalibrated and replaced, with a `SkewArtifactWarning`), else calibrated
-    now on the shipped prose (`tokenizer`; without one, on seeded random ids) and saved there.
+    now on the default calibration text (`calibration_ids`: prose and code; needs `tokenizer`,
+    without one seeded random ids) and saved there. A cached artifact made on another default
+    text than today's is recalibrated too.
     The model must not be folded yet."""
     ratio, skewed = knobs.partial_ratio, knobs.skew
     needs = dict(
@@ -100,10 +116,12 @@ def obtain_artifact(
     tokens = calibration_length(knobs.calibration_tokens, adapter)
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = artifact_path(folder, model.config.model_type, fingerprint, ratio, skewed, tokens)
+    source = default_calibration_source() if tokenizer is not None else SYNTHETIC_SOURCE
     if path.is_file():
         try:
             art = SkewArtifact.load(path)
             art.verify(fingerprint, ratio, skewed, adapter.num_layers, path, **needs)
+            check_calibration_source(art, source, path)
             return art
         except SkewArtifactError as exc:
             warnings.warn(
@@ -115,7 +133,7 @@ def obtain_artifact(
         ids = calibration_ids(tokenizer, tokens)
     else:
         ids = synthetic_calibration_ids(model.config.vocab_size, tokens)
-    art = calibrate(model, adapter, ids, ratio, skewed, fingerprint, progress)
+    art = calibrate(model, adapter, ids, ratio, skewed, fingerprint, progress, source=source)
     try:
         art.save(path)
     except OSError as exc:
@@ -136,7 +154,9 @@ __all__ = [
     "calibration_ids",
     "calibration_length",
     "calibration_text",
+    "check_calibration_source",
     "collect_qk",
+    "default_calibration_source",
     "default_calibration_tokens",
     "model_fingerprint",
     "obtain_artifact",
@@ -145,4 +165,5 @@ __all__ = [
     "skew_command",
     "skew_from_qk",
     "synthetic_calibration_ids",
+    "text_calibration_source",
 ]

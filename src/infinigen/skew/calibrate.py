@@ -9,8 +9,11 @@ The capture observes the model through forward pre-hooks that are removed before
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import sysconfig
 from importlib import resources
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,6 +28,15 @@ from infinigen.speculate import RECALL_GRID, channel_grid, oracle_recall_curve, 
 RECALL_QUERIES = 48  # decode positions sampled per layer for the recall curves
 
 MAX_DEFAULT_CALIBRATION = 8192
+# The default calibration alternates blocks of prose and source code, so that the skew, the
+# query maps and the budget allocation are fitted on more than one genre: fitted on prose alone
+# they generalized worse to source code no choice had seen (docs/results.md, "Calibration on
+# prose and code").
+CALIBRATION_BLOCK = 1024  # tokens per block
+# Python source read from the interpreter's own standard library (present wherever Python is),
+# packages the `code` evaluation genre does not use (it reads the top-level modules).
+CALIBRATION_CODE_PACKAGES = ("json", "email", "asyncio")
+_CODE_CHARS = 240_000  # enough source for 16K calibration tokens of code
 
 
 def calibration_text() -> str:
@@ -32,19 +44,78 @@ def calibration_text() -> str:
     return resources.files("infinigen.data").joinpath("areopagitica.txt").read_text(encoding="utf-8")
 
 
+def calibration_code() -> str:
+    """Python source of `CALIBRATION_CODE_PACKAGES` from this interpreter's standard library,
+    files in name order, about `_CODE_CHARS` characters ("" where those packages are absent)."""
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    parts: list[str] = []
+    size = 0
+    for package in CALIBRATION_CODE_PACKAGES:
+        for path in sorted((folder / package).glob("*.py")):
+            if size >= _CODE_CHARS:
+                break
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            parts.append(text)
+            size += len(text)
+    return "".join(parts)
+
+
+def default_calibration_source() -> str:
+    """What the default calibration reads, as a tag stored in the artifact: a cached artifact
+    calibrated on other default text (an older version's, another interpreter's sources) is
+    recalibrated rather than used."""
+    prose, code = calibration_text(), calibration_code()
+    digest = hashlib.blake2b((prose + "\0" + code).encode(), digest_size=8).hexdigest()
+    return f"{'prose+code' if code else 'prose'}:{digest}"
+
+
+SYNTHETIC_SOURCE = "synthetic ids"  # the tag of a calibration on seeded random ids (no tokenizer)
+
+
+def text_calibration_source(text: str) -> str:
+    """The tag of a calibration on the user's own text (kept however the default changes)."""
+    return "file:" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def default_calibration_tokens(adapter: ModelAdapter) -> int:
     return int(min(adapter.max_positions, MAX_DEFAULT_CALIBRATION))
 
 
+def _ids(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+
+
+def _tail(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The last `n` of `ids`; all of them repeated, cut to `n`, if there are fewer."""
+    if ids.numel() < n:
+        return ids.repeat(math.ceil(n / max(ids.numel(), 1)))[:n]
+    return ids[-n:]
+
+
 def calibration_ids(tokenizer, num_tokens: int, text: str | None = None) -> torch.Tensor:
-    """`num_tokens` ids of real prose: the end of the shipped text (its opening is the demo
-    prompt, so the two never overlap), repeated if the model's context is longer."""
-    text = text if text is not None else calibration_text()
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-    if ids.numel() < num_tokens:
-        ids = ids.repeat(math.ceil(num_tokens / ids.numel()))
-        return ids[:num_tokens][None]
-    return ids[-num_tokens:][None]
+    """[1, num_tokens] calibration ids. With `text`: its end. By default: blocks of
+    `CALIBRATION_BLOCK` tokens alternating prose and code, prose first — the prose from the end
+    of the shipped essay (its opening is the demo prompt, so the two never overlap), the code
+    from the start of `calibration_code()`; prose alone where no code is found. Text too short
+    for its share is repeated."""
+    if text is not None:
+        return _tail(_ids(tokenizer, text), num_tokens)[None]
+    prose = _ids(tokenizer, calibration_text())
+    code_text = calibration_code()
+    if not code_text:
+        return _tail(prose, num_tokens)[None]
+    blocks = math.ceil(num_tokens / CALIBRATION_BLOCK)
+    prose = _tail(prose, (blocks + 1) // 2 * CALIBRATION_BLOCK)
+    code = _ids(tokenizer, code_text)
+    code = _tail(code[: blocks // 2 * CALIBRATION_BLOCK], blocks // 2 * CALIBRATION_BLOCK)
+    parts = [
+        (prose if b % 2 == 0 else code)[b // 2 * CALIBRATION_BLOCK : (b // 2 + 1) * CALIBRATION_BLOCK]
+        for b in range(blocks)
+    ]
+    return torch.cat(parts)[:num_tokens][None]
 
 
 def synthetic_calibration_ids(vocab_size: int, num_tokens: int, seed: int = 0) -> torch.Tensor:
@@ -127,8 +198,10 @@ def calibrate(
     skewed: bool = True,
     fingerprint: str | None = None,
     progress: bool = True,
+    source: str = "given ids",
 ) -> SkewArtifact:
-    """Compute the skew artifact of a (not yet folded) model from calibration ids [1, T].
+    """Compute the skew artifact of a (not yet folded) model from calibration ids [1, T]
+    (`source`: what they are, stored as the artifact's "calibration" tag).
 
     Besides the skew, the channels and the oracle's recall curves, each layer gets the recall of
     speculating with its top c skewed channels at a few c (`speculate.partial_recall_table`, at
@@ -163,7 +236,7 @@ def calibrate(
         partial_ratio=float(partial_ratio),
         skewed=skewed,
         calibration_tokens=int(input_ids.shape[-1]),
-        meta={"model_type": str(model.config.model_type)},
+        meta={"model_type": str(model.config.model_type), "calibration": source},
         recall_curves=curves,
         recall_grid=grid,
         channel_orders=orders,
