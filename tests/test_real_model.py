@@ -20,8 +20,30 @@ def smol():
     return load_model(progress=False)
 
 
+def test_default_calibration_alternates_prose_and_code(smol, monkeypatch):
+    """Blocks of prose from the essay's end (never its opening, the demo prompt) alternate with
+    blocks of Python source; where no source is found, prose alone."""
+    import sys
+
+    from infinigen.skew.calibrate import CALIBRATION_BLOCK as B
+    from infinigen.skew.calibrate import calibration_code, calibration_text
+
+    _, tok = smol
+    prose, code = calibration_text(), calibration_code()
+    assert len(code) > 100_000
+    ids = calibration_ids(tok, 4 * B - 10)[0]
+    assert ids.shape == (4 * B - 10,)
+    for i in range(4):
+        snippet = tok.decode(ids[i * B : (i + 1) * B - 10])[300:500]
+        assert snippet in (prose[len(prose) // 2 :] if i % 2 == 0 else code)
+        assert snippet not in (code if i % 2 == 0 else prose)
+    monkeypatch.setattr(sys.modules["infinigen.skew.calibrate"], "calibration_code", lambda: "")
+    alone = calibration_ids(tok, 2 * B)[0]
+    assert tok.decode(alone[B:])[300:500] in prose
+
+
 def test_skewed_partial_channels_hold_more_query_mass(smol):
-    """Calibrate on one stretch of prose, measure on another at long positions."""
+    """Calibrate on the default text (prose and code), measure on held-out prose at long positions."""
     model, tok = smol
     adapter = get_adapter(model)
     calib = calibration_ids(tok, 2048)

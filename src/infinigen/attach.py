@@ -210,7 +210,8 @@ def attach(
     context manager (``with attach(model, cfg) as session:``), or call `session.detach()`.
 
     skew: an artifact or its path (default: cached under `cache_dir`, else calibrated on the
-    shipped prose, with `tokenizer`, and saved); progress: show calibration progress."""
+    default calibration text of prose and code, with `tokenizer`, and saved); progress: show
+    calibration progress."""
     return Session(model, config, skew=skew, tokenizer=tokenizer, cache_dir=cache_dir, progress=progress)
 
 

@@ -465,7 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("skew", help="calibrate and save the skew artifact of a model")
     _add_model_args(s)
-    s.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: shipped prose)")
+    s.add_argument(
+        "--calibration-file",
+        default=None,
+        help="text file to calibrate on (default: prose and Python source, alternating)",
+    )
     s.add_argument("--output", default=None, help="artifact path (default: the user cache folder)")
     add_arguments(s, RUN_DEFAULTS, skip=("policy",))
     _debug_flag(s)
