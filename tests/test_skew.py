@@ -9,7 +9,7 @@ from conftest import left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, SkewArtifact, SkewArtifactError, attach
 from infinigen.models import get_adapter
 from infinigen.skew import calibrate, model_fingerprint, synthetic_calibration_ids
-from infinigen.skew.calibrate import SYNTHETIC_SOURCE
+from infinigen.skew.calibrate import SYNTHETIC_SOURCE, default_calibration_source
 
 
 def _artifact(model, ratio=0.3, skewed=True):
@@ -204,11 +204,14 @@ def test_a_damaged_or_stale_artifact_is_never_used(monkeypatch, tmp_path, how):
     assert sorted(p.name for p in (tmp_path / "skew").iterdir()) == [path.name]
 
 
-@pytest.mark.parametrize("made_on", ["prose:0123456789abcdef", None, "file:0123456789abcdef"])
+@pytest.mark.parametrize("made_on", ["prose:0123456789abcdef", None, "file:0123456789abcdef", "default"])
 def test_a_cached_artifact_of_another_default_text_is_recalibrated(monkeypatch, tmp_path, made_on):
     """An artifact records what it was calibrated on. One made on another default text (an
     older version's, or without the record) is recalibrated with a warning; one made on the
-    user's own text (`infinigen skew --calibration-file`) is theirs and is used."""
+    user's own text (`infinigen skew --calibration-file`) or on today's default text is used,
+    with or without a tokenizer at hand."""
+    if made_on == "default":
+        made_on = default_calibration_source()
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
     model = tiny_model("llama")
     cfg = InfiniGenConfig(calibration_tokens=64)
@@ -221,16 +224,26 @@ def test_a_cached_artifact_of_another_default_text_is_recalibrated(monkeypatch, 
     else:
         art.meta["calibration"] = made_on
     art.save(path)
-    if made_on is not None and made_on.startswith("file:"):
+    if made_on is not None and (made_on.startswith("file:") or made_on == default_calibration_source()):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with attach(model, cfg, progress=False) as session:
                 assert session.artifact.meta["calibration"] == made_on
         return
-    with pytest.warns(UserWarning, match="was calibrated on .*not on synthetic ids.*recalibrating"):
+    with pytest.warns(UserWarning, match="was calibrated on .*not on prose.*recalibrating"):
         with attach(model, cfg, progress=False) as session:
             assert session.artifact.meta["calibration"] == SYNTHETIC_SOURCE
     assert SkewArtifact.load(path).meta["calibration"] == SYNTHETIC_SOURCE
+
+
+def test_an_artifact_of_random_ids_is_replaced_once_a_tokenizer_allows_real_text(tmp_path):
+    from infinigen.skew import check_calibration_source
+
+    art = _artifact(tiny_model("llama"))
+    art.meta["calibration"] = SYNTHETIC_SOURCE
+    check_calibration_source(art, tmp_path / "a.safetensors", tokenizer_given=False)
+    with pytest.raises(SkewArtifactError, match="synthetic ids, and real text"):
+        check_calibration_source(art, tmp_path / "a.safetensors", tokenizer_given=True)
 
 
 def test_interrupted_calibration_or_save_leaves_nothing_and_the_next_run_calibrates(monkeypatch, tmp_path):

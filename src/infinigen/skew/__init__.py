@@ -36,14 +36,23 @@ def calibration_length(calibration_tokens: int | None, adapter) -> int:
     return min(calibration_tokens or default_calibration_tokens(adapter), adapter.max_positions)
 
 
-def check_calibration_source(art: SkewArtifact, default: str, path: Path) -> None:
-    """Refuse a cached artifact calibrated on another default text than today's `default`
-    (an older version's, or another interpreter's library sources); one calibrated on the
-    user's own text (`infinigen skew --calibration-file`) is theirs and stays."""
+def check_calibration_source(art: SkewArtifact, path: Path, tokenizer_given: bool) -> None:
+    """Refuse a cached artifact made on another default text than today's (an older version's,
+    another interpreter's library sources, or one that says nothing), and one made on seeded
+    random ids when a tokenizer now allows real text. One calibrated on the user's own text
+    (`infinigen skew --calibration-file`) is theirs and stays."""
     made_on = art.meta.get("calibration")
-    if made_on is not None and (made_on == default or made_on.startswith("file:")):
+    default = default_calibration_source()
+    if made_on == default or (made_on or "").startswith("file:"):
         return
-    reason = f"was calibrated on {f'other text ({made_on})' if made_on else 'an older default text'}, not on {default}"
+    if made_on == SYNTHETIC_SOURCE and not tokenizer_given:
+        return
+    if made_on == SYNTHETIC_SOURCE:
+        reason = f"was calibrated on {SYNTHETIC_SOURCE}, and real text ({default}) is now at hand"
+    else:
+        reason = (
+            f"was calibrated on {f'other text ({made_on})' if made_on else 'an older default text'}, not on {default}"
+        )
     raise SkewArtifactError(f"skew artifact {path} {reason}", path, reason)
 
 
@@ -116,12 +125,11 @@ def obtain_artifact(
     tokens = calibration_length(knobs.calibration_tokens, adapter)
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = artifact_path(folder, model.config.model_type, fingerprint, ratio, skewed, tokens)
-    source = default_calibration_source() if tokenizer is not None else SYNTHETIC_SOURCE
     if path.is_file():
         try:
             art = SkewArtifact.load(path)
             art.verify(fingerprint, ratio, skewed, adapter.num_layers, path, **needs)
-            check_calibration_source(art, source, path)
+            check_calibration_source(art, path, tokenizer_given=tokenizer is not None)
             return art
         except SkewArtifactError as exc:
             warnings.warn(
@@ -130,9 +138,9 @@ def obtain_artifact(
                 stacklevel=2,
             )
     if tokenizer is not None:
-        ids = calibration_ids(tokenizer, tokens)
+        ids, source = calibration_ids(tokenizer, tokens), default_calibration_source()
     else:
-        ids = synthetic_calibration_ids(model.config.vocab_size, tokens)
+        ids, source = synthetic_calibration_ids(model.config.vocab_size, tokens), SYNTHETIC_SOURCE
     art = calibrate(model, adapter, ids, ratio, skewed, fingerprint, progress, source=source)
     try:
         art.save(path)
