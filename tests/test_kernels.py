@@ -103,6 +103,15 @@ def test_kernel_ties_at_the_cut_never_crowd_out_a_higher_score(agg):
     assert counts.tolist() == [[4]] and idx[0, 0].tolist() == [0, 1, 2, 11]
 
 
+def test_kernel_refuses_a_group_wider_than_it_takes():
+    """More query heads per KV head than the kernel's MAX_GROUP: a clear error, never garbage
+    (the selector sends such models to the tensor path)."""
+    g = kernels.MAX_GROUP + 1
+    keys = torch.zeros(1, 1, 4, 10)
+    with pytest.raises(ValueError, match="GQA group"):
+        kernels.select(keys, 10, torch.zeros(1, g, 4), None, "max", 1.0, 1.0, None, 1)
+
+
 def test_kernel_all_valid_view_equals_explicit_mask_and_honours_room():
     keys, query, _ = _case(5, t=64, room=100, padded=False)
     full = torch.ones(2, 2, 64, dtype=torch.bool)
