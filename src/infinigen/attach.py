@@ -33,6 +33,7 @@ from infinigen.config import InfiniGenConfig
 from infinigen.models import ModelAdapter, get_adapter
 from infinigen.select import Selector, make_selector
 from infinigen.skew import SkewArtifact, calibration_length, model_fingerprint, obtain_artifact
+from infinigen.skew.artifact import needs_of
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Session] = weakref.WeakKeyDictionary()
 
@@ -175,13 +176,12 @@ class Session:
         key = (round(config.partial_ratio, 6), config.skew, calibration_length(config.calibration_tokens, self.adapter))
         art = self._artifacts.get(key)
         if art is not None:
-            if art.serves(config.channel_allocation, config.speculate_from):
+            if art.serves(**needs_of(config)):
                 return art
             if self._given_skew is not None or self.folded:  # cannot be replaced: refused, saying why
                 art.verify(
-                    self.fingerprint, config.partial_ratio, config.skew, self.adapter.num_layers,
-                    channel_allocation=config.channel_allocation, speculate_from=config.speculate_from,
-                )  # fmt: skip
+                    self.fingerprint, config.partial_ratio, config.skew, self.adapter.num_layers, **needs_of(config)
+                )
             del self._artifacts[key]  # an older cached file without the tables or maps: recalibrate it
         if self._artifacts and (self._given_skew is not None or self.folded):
             why = "the given skew artifact" if self._given_skew is not None else "the skew folded into its weights"

@@ -227,6 +227,7 @@ class InfiniGenCache(SessionCache):
                 "wait_seconds": layer.stats.wait_seconds,
                 "correction_rows": layer.stats.correction_rows,
                 "budget": self.selector.budget(i) if layer.role == "select" else None,
+                "correction": self.selector.correction(i) if layer.role == "select" else None,
             }
             for i, layer in enumerate(self.layers)
         ]

@@ -21,7 +21,15 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from infinigen.config import POLICIES, ConfigError, add_arguments, from_arguments, parse_setting, setting_fields
+from infinigen.config import (
+    POLICIES,
+    ConfigError,
+    InfiniGenConfig,
+    add_arguments,
+    from_arguments,
+    parse_setting,
+    setting_fields,
+)
 from infinigen.errors import InfiniGenError, InputError
 
 DEMO_PROMPT = "areopagitica_opening.txt"
@@ -251,7 +259,22 @@ def cmd_skew(args: argparse.Namespace) -> int:
         f"query mass (Σq²) in the top-{config.partial_ratio:.0%} channels, mean over layers: "
         f"unskewed {mean_p:.3f}, skewed {mean_s:.3f}"
     )
+    print(_correction_report(config.replace(policy="infinigen"), adapter, art))
     return 0
+
+
+def _correction_report(config: InfiniGenConfig, adapter, artifact) -> str:
+    """Which layers the correction tops up at the configured budget, and by how much."""
+    from infinigen.select import corrections_chosen
+
+    chosen = corrections_chosen(config, adapter, artifact)
+    how = (
+        f"chosen per layer: above {config.correction_target:g}x the oracle's output error"
+        if config.correction is None
+        else f"{config.correction:g} everywhere"
+    )
+    layers = ", ".join(f"{i}: {c:.1%}" for i, c in sorted(chosen.items())) or "none"
+    return f"correction at a {config.resolved_budget:.0%} budget ({how}): top-ups of the context by layer: {layers}"
 
 
 # ---------------------------------------------------------------------- eval

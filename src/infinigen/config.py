@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from infinigen.errors import InfiniGenError
+from infinigen.speculate import CORRECTION_ERROR_RATIO
 from infinigen.storage import COPY_ENGINES, check_combination
 
 
@@ -182,11 +183,20 @@ class SpeculationKnobs(SelectionBudget):
         "calibration and stored in the skew artifact)",
         one_of(CHANNEL_ALLOCATIONS),
     )
-    correction: float = knob(
-        0.0,
-        "speculate, then correct: at layer i its own query scores the partial keys, and this fraction of the "
-        "context that the speculation missed is fetched as a second, small transfer (0: off)",
+    correction: float | None = knob(
+        None,
+        "speculate, then correct: at layer i its own query scores the partial keys, and a fraction of the "
+        "context that the speculation missed is fetched as a second, small transfer. A number: that fraction, "
+        "on top of the budget, in every speculated layer (0: off). none: chosen per layer from calibration, "
+        "out of the layer's budget: only where the speculation's attention output strays more than "
+        "correction_target times the oracle's, the least top-up that brings it within",
         fraction(low_open=False),
+    )
+    correction_target: float = knob(
+        CORRECTION_ERROR_RATIO,
+        "with correction none: the multiple of the oracle's attention-output error (measured per layer at "
+        "calibration) above which a layer's speculation is corrected",
+        at_least(1),
     )
     speculate_from: str = knob(
         "fitted",

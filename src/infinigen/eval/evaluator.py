@@ -50,6 +50,7 @@ class ForcedResult:
     steps: int
     policy: str
     correction_rows: int = 0  # of rows_fetched: the top-ups of speculate-then-correct
+    per_layer_correction: dict[int, float] = field(default_factory=dict)  # of per_layer_fraction: the top-ups'
 
     @property
     def fetched_fraction(self) -> float | None:
@@ -92,6 +93,7 @@ class _Record:
     bytes: int = 0
     rows: int = 0
     correction_rows: int = 0
+    correction: dict[int, float] = field(default_factory=dict)  # per layer: mean top-up fraction
 
 
 class _StoredWeights:
@@ -213,7 +215,7 @@ class ForcedLayer(SessionLayer):
         real = torch.ones(b, 1, k_len, dtype=torch.bool, device=key.device)
         new_valid = torch.ones(b, 1, dtype=torch.bool, device=key.device)
         mask = torch.zeros(b, hkv, s_len, k_len, dtype=torch.bool, device=key.device)
-        frac_sum, rec_sum = 0.0, torch.zeros(h, dtype=torch.float64)
+        frac_sum, extra_sum, rec_sum = 0.0, 0.0, torch.zeros(h, dtype=torch.float64)
         per_row = row_bytes(self.config.spec.fmt, key.shape[-1], kv_dtype)
         for s in range(s_len):
             past = t0 + s
@@ -224,6 +226,7 @@ class ForcedLayer(SessionLayer):
             extra = selector.correct(state, i, own_query[:, :, s], past, valid, sel)
             if extra is not None and extra.indices.shape[-1]:
                 record.correction_rows += int(extra.valid.sum())
+                extra_sum += (extra.counts.to(torch.float64) / max(past, 1)).mean().item()
                 sel = Selection(torch.cat([sel.indices, extra.indices], -1), torch.cat([sel.valid, extra.valid], -1))
             mask[:, :, s, :past] = selection_mask(sel, past)
             allowed = mask[:, :, s, : past + 1].clone()
@@ -239,6 +242,8 @@ class ForcedLayer(SessionLayer):
                 true = torch.softmax(scores[:, :, s, :past], -1)
                 rec_sum += attention_recall(true, sel).mean(0).to(torch.float64)
         record.fraction[i] = frac_sum / s_len
+        if extra_sum:
+            record.correction[i] = extra_sum / s_len
         if record.measure_recall:
             heads = rec_sum / s_len
             record.recall[i] = heads.mean().item()
@@ -346,6 +351,7 @@ class Evaluator:
             steps=chunk.shape[1],
             policy=config.policy,
             correction_rows=record.correction_rows,
+            per_layer_correction=record.correction,
         )
 
 

@@ -96,6 +96,7 @@ def _row(result: ForcedResult, ref: torch.Tensor | None, targets: torch.Tensor |
         "bytes_fraction": result.bytes_per_token() / full_bytes if full_bytes else None,
         "recall": result.recall,
         "per_layer_fraction": {str(k): v for k, v in result.per_layer_fraction.items()},
+        "per_layer_correction": {str(k): v for k, v in result.per_layer_correction.items()},
         "per_layer_recall": {str(k): v for k, v in result.per_layer_recall.items()},
         "per_head_recall": {str(k): v for k, v in result.per_head_recall.items()},
     }

@@ -110,6 +110,11 @@ class ModelAdapter(ABC):
     def keys(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
         """Keys of `layer` as the cache stores them (post-RoPE): [B, Hkv, T, d]."""
 
+    def values(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Values of `layer` for its normalized attention input x [B, T, D]: [B, Hkv, T, d]
+        (a family with a norm on its values overrides this)."""
+        return self._split_heads(self.attention_modules()[layer].v_proj(x), self.num_kv_heads)
+
     def rope_for(self, layer: int, source: int, position_embeddings, position_ids, x: torch.Tensor):
         """The rotary embedding (cos, sin) that `layer` uses for the positions whose embedding
         `source` was handed (`position_embeddings`, at `position_ids`): the same one for

@@ -17,6 +17,7 @@ from infinigen.select.infinigen import (
     channels_from_artifact,
     layer_budgets_from_artifact,
     layer_channels_from_artifact,
+    layer_corrections_from_artifact,
     projections_from_artifact,
     query_maps_from_artifact,
 )
@@ -40,19 +41,37 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
     if cls is InfiniGenSelector:
         if artifact is None:
             raise ValueError("the infinigen selector needs the skew artifact of an attach session")
-        # the budget's and the channel count's means are over the layers that select (not
-        # dense, not sliding-window ones)
-        selecting = [i for i in range(adapter.num_layers) if config.layer_role(i, adapter.is_local(i)) == "select"]
+        selecting = selecting_layers(config, adapter)
         counts = layer_channels_from_artifact(artifact, knobs, selecting, adapter.head_dim)
         channels = channels_from_artifact(artifact, counts)
         devices = layer_devices(adapter)
         projections = projections_from_artifact(artifact, adapter.head_dim, folded, devices, channels)
         budgets = layer_budgets_from_artifact(artifact, knobs, selecting)
+        corrections = layer_corrections_from_artifact(artifact, knobs, selecting, budgets)
         maps = query_maps_from_artifact(artifact, knobs, selecting, adapter.num_heads, folded, devices)
-        return InfiniGenSelector(knobs, adapter, projections, budgets, selecting, maps, config.storage_dtype())
+        return InfiniGenSelector(
+            knobs, adapter, projections, budgets, selecting, maps, config.storage_dtype(), corrections
+        )
     if cls is OracleSelector:
         return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())
     return cls(knobs, adapter)
+
+
+def selecting_layers(config: InfiniGenConfig, adapter) -> list[int]:
+    """The layers whose rows the selector chooses (not dense, not sliding-window ones): the
+    budget's and the channel count's means are over these."""
+    return [i for i in range(adapter.num_layers) if config.layer_role(i, adapter.is_local(i)) == "select"]
+
+
+def corrections_chosen(config: InfiniGenConfig, adapter, artifact) -> dict[int, float]:
+    """Per layer, the top-up `config` (policy infinigen) fetches with this artifact, as a fraction
+    of the context: the calibrated choice for `correction` None, else the number everywhere."""
+    knobs = config.knobs(InfiniGenSelector.Knobs)
+    layers = selecting_layers(config, adapter)
+    if knobs.correction is not None:
+        return {i: knobs.correction for i in layers if knobs.correction > 0}
+    budgets = layer_budgets_from_artifact(artifact, knobs, layers)
+    return layer_corrections_from_artifact(artifact, knobs, layers, budgets)
 
 
 def layer_devices(adapter) -> dict[int, torch.device]:
@@ -66,4 +85,4 @@ def layer_devices(adapter) -> dict[int, torch.device]:
     return out
 
 
-__all__ = ["SELECTORS", "Selector", "make_selector"]
+__all__ = ["SELECTORS", "Selector", "corrections_chosen", "make_selector", "selecting_layers"]

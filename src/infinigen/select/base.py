@@ -55,6 +55,10 @@ class Selector:
         reports next to what it did fetch)."""
         return self.knobs.budget
 
+    def correction(self, layer: int) -> float:
+        """The fraction of the context `correct` tops up at `layer` (0: it never does)."""
+        return 0.0
+
     def new_state(self, layer: int) -> Any:
         return None
 

@@ -16,7 +16,10 @@ Two additions, each a knob:
   correction=c > 0         speculate, then correct: once layer i's own query exists, it scores
                            the partial keys already on the compute side, and the best c·context
                            positions the speculation missed are fetched as a second transfer
-                           (`correct`, driven by the layer after its first transfer landed).
+                           (`correct`, driven by the layer after its first transfer landed);
+  correction=None          the same, chosen per layer from calibration and taken out of the
+                           layer's budget (`layer_corrections_from_artifact`): only layers whose
+                           speculated output strays from the dense one well beyond the oracle's.
 
 The C kernel implements the threshold/budget/floor rule with one budget per call, so a per-layer
 budget uses it too; blocks (`block_tokens` > 1) and the correction's top-up run on the tensor
@@ -32,12 +35,14 @@ import infinigen.kernels as kernels
 from infinigen.config import SpeculationKnobs
 from infinigen.growing import GrowingTensor
 from infinigen.select.base import Selector
+from infinigen.skew.calibrate import SPECULATED_INPUTS
 from infinigen.skew.query_map import apply_query_map, fold_skew_into_map
 from infinigen.speculate import (
     Selection,
     aggregate_group,
     allocate_budgets,
     allocate_channels,
+    correction_share,
     is_all_valid,
     partial_projection,
     partial_scores,
@@ -75,6 +80,7 @@ class InfiniGenSelector(Selector):
         speculated: list[int] | range | None = None,
         query_maps: dict[int, torch.Tensor] | None = None,
         kv_dtype: torch.dtype | None = None,
+        layer_corrections: dict[int, float] | None = None,
     ) -> None:
         """projections: per layer, the skew columns of the partial channels [Hkv, d, c]
         (see `projections_from_artifact`; c may differ between layers); layer_budgets: per
@@ -83,8 +89,11 @@ class InfiniGenSelector(Selector):
         query_maps: per layer, its fitted query map [D + 1, H·d] (`query_maps_from_artifact`);
         kv_dtype: the KV's storage dtype, which the partial keys are kept in too (None: the
         compute dtype). They stay with the compute for the whole context: with 16-bit KV they
-        take r of the stored keys' bytes, where float32 copies took 2r."""
+        take r of the stored keys' bytes, where float32 copies took 2r. layer_corrections: per
+        speculated layer, the fraction of the context its top-up fetches
+        (`layer_corrections_from_artifact`), else `correction` everywhere."""
         super().__init__(knobs, adapter)
+        self.layer_corrections = dict(layer_corrections or {})
         self.proj = projections
         self.layer_budgets = dict(layer_budgets or {})
         self.speculated = speculated if speculated is not None else range(0)
@@ -114,8 +123,18 @@ class InfiniGenSelector(Selector):
         return float(self.knobs.layer_alpha.get(layer, self.knobs.alpha))
 
     def budget(self, layer: int) -> float:
-        """This layer's fraction of the context: its calibrated share, or the budget."""
+        """This layer's fraction of the context: its calibrated share, or the budget (with a
+        calibrated correction, its top-up included)."""
         return self.layer_budgets.get(layer, self.knobs.budget)
+
+    def correction(self, layer: int) -> float:
+        """This layer's top-up as a fraction of the context: its calibrated one (out of its
+        budget), or `correction` (on top of it)."""
+        return self.layer_corrections.get(layer, self.knobs.correction or 0.0)
+
+    def speculated_budget(self, layer: int) -> float:
+        """The fraction the speculation picks: the layer's budget less a calibrated top-up."""
+        return self.budget(layer) - self.layer_corrections.get(layer, 0.0)
 
     def new_state(self, layer: int) -> PartialKeys:
         return PartialKeys()
@@ -132,7 +151,7 @@ class InfiniGenSelector(Selector):
 
     def select(self, state, layer, query, past, valid) -> Selection:
         k = self.knobs
-        budget = self.budget(layer)
+        budget = self.speculated_budget(layer)
         if k.block_tokens <= 1 and self._kernel_reads(state, query):
             # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
             idx, counts = kernels.select(
@@ -162,6 +181,8 @@ class InfiniGenSelector(Selector):
         out = super().describe()
         if self.layer_budgets:
             out["layer_budgets"] = {str(i): round(b, 5) for i, b in sorted(self.layer_budgets.items())}
+        if self.layer_corrections:
+            out["layer_corrections"] = {str(i): round(c, 5) for i, c in sorted(self.layer_corrections.items())}
         layers = [i for i in self.speculated if i in self.proj]
         if layers:
             out["layer_channels"] = {str(i): self.channels(i) for i in layers}
@@ -170,11 +191,12 @@ class InfiniGenSelector(Selector):
     def correct(self, state, layer, query, past, valid, selection: Selection) -> Selection | None:
         """The top-up: layer i's own query against the partial keys; the ceil(correction ·
         context) best positions the speculated `selection` does not hold."""
-        if self.knobs.correction <= 0 or past == 0:
+        fraction = self.correction(layer)
+        if fraction <= 0 or past == 0:
             return None
         all_valid = is_all_valid(valid)
         ctx = torch.full(valid.shape[:2], past, device=valid.device) if all_valid else valid.sum(-1)
-        count = torch.ceil(ctx.to(torch.float64) * self.knobs.correction).to(torch.long)
+        count = torch.ceil(ctx.to(torch.float64) * fraction).to(torch.long)
         chosen = selection_mask(selection, past)
         if self._kernel_reads(state, query):
             idx, counts = kernels.top_up(
@@ -198,6 +220,35 @@ def layer_budgets_from_artifact(artifact, knobs: SpeculationKnobs, layers: list[
     if not artifact.recall_curves or artifact.recall_grid is None:
         raise ValueError("allocation 'calibrated' needs a skew artifact with recall curves: recalibrate it")
     return allocate_budgets({i: artifact.recall_curves[i] for i in layers}, artifact.recall_grid, knobs.budget)
+
+
+def layer_corrections_from_artifact(
+    artifact, knobs: SpeculationKnobs, layers: list[int], budgets: dict[int, float]
+) -> dict[int, float]:
+    """Per speculated layer whose speculation is corrected under `correction` None, its top-up
+    as a fraction of the context: the share `speculate.correction_share` chooses from the
+    layer's calibrated table (for the input `speculate_from` names) of its budget (`budgets`,
+    else `budget`), which the speculation then picks less of. Empty for a number (`correction`
+    everywhere, on top of the budget) and for speculate_from "own" (the speculation is the
+    layer's own query: nothing to correct)."""
+    if knobs.correction is not None or knobs.speculate_from == "own" or not len(layers):
+        return {}
+    if not artifact.has_correction_tables():
+        raise ValueError(
+            "correction none (chosen per layer) needs a skew artifact with correction tables: recalibrate it"
+        )
+    grid = (tuple(artifact.correction_budgets.tolist()), tuple(artifact.correction_shares.tolist()))
+    source = SPECULATED_INPUTS.index("fitted" if knobs.speculate_from == "fitted" else "previous")
+    out = {}
+    for i in layers:
+        table = artifact.correction_errors.get(i)
+        if table is None:
+            continue
+        budget = budgets.get(i, knobs.budget)
+        share = correction_share(table[source], artifact.oracle_errors[i], budget, *grid, knobs.correction_target)
+        if share > 0:
+            out[i] = budget * share
+    return out
 
 
 def layer_channels_from_artifact(artifact, knobs: SpeculationKnobs, layers: list[int], head_dim: int) -> dict[int, int]:

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from infinigen.paths import default_cache_dir
-from infinigen.skew.artifact import SkewArtifact, SkewArtifactError, artifact_path, model_fingerprint
+from infinigen.skew.artifact import SkewArtifact, SkewArtifactError, artifact_path, model_fingerprint, needs_of
 from infinigen.skew.calibrate import (
     SYNTHETIC_SOURCE,
     calibrate,
@@ -97,8 +97,8 @@ def obtain_artifact(
     progress: bool = True,
 ) -> SkewArtifact:
     """The skew artifact for `model` and `knobs` (partial_ratio, skew, calibration_tokens;
-    channel_allocation "calibrated" needs the channel recall tables and speculate_from "fitted"
-    the query maps, which older artifacts lack).
+    channel_allocation "calibrated" needs the channel recall tables, speculate_from "fitted"
+    the query maps and correction None the correction tables, which older artifacts lack).
 
     source: an artifact or a path to one (refused, with the command that recomputes it, if it
     cannot be read, is damaged or does not match), else the cached one under `cache_dir` (if it
@@ -108,10 +108,7 @@ def obtain_artifact(
     text than today's is recalibrated too.
     The model must not be folded yet."""
     ratio, skewed = knobs.partial_ratio, knobs.skew
-    needs = dict(
-        channel_allocation=getattr(knobs, "channel_allocation", "uniform"),
-        speculate_from=getattr(knobs, "speculate_from", "previous"),
-    )
+    needs = needs_of(knobs)
     if isinstance(source, SkewArtifact):
         source.verify(fingerprint, ratio, skewed, adapter.num_layers, **needs)
         return source

@@ -96,7 +96,11 @@ class SkewArtifact:
     (`channel_recall`), from which the selector spreads the channels over the layers
     (`speculate.allocate_channels`, knob `channel_allocation`). Likewise optional: every
     layer's query map fitted to the previous layer's input [D + 1, H·d] (`query_maps`, knob
-    `speculate_from` "fitted", `infinigen.skew.query_map`)."""
+    `speculate_from` "fitted", `infinigen.skew.query_map`). And every global layer's table for
+    choosing its correction (knob `correction` None): its attention output's error under
+    speculate-then-correct at each budget of `correction_budgets` and share of
+    `correction_shares`, per input of `SPECULATED_INPUTS` ([2, budgets, shares],
+    `correction_errors`), and the oracle's at each budget (`oracle_errors`)."""
 
     skews: dict[int, torch.Tensor | None]
     channels: dict[int, torch.Tensor]
@@ -111,12 +115,23 @@ class SkewArtifact:
     channel_recall: dict[int, torch.Tensor] = field(default_factory=dict)
     channel_grid: torch.Tensor | None = None
     query_maps: dict[int, torch.Tensor] = field(default_factory=dict)
+    correction_errors: dict[int, torch.Tensor] = field(default_factory=dict)
+    oracle_errors: dict[int, torch.Tensor] = field(default_factory=dict)
+    correction_budgets: torch.Tensor | None = None
+    correction_shares: torch.Tensor | None = None
+
+    def has_correction_tables(self) -> bool:
+        """Whether this artifact was made by a calibration that measures the correction (older
+        ones were not; layers without a table are the local ones and the first)."""
+        return self.correction_budgets is not None and self.correction_shares is not None
 
     def has_query_maps(self) -> bool:
         """Whether this artifact can speculate through fitted query maps (every layer but the first)."""
         return set(self.query_maps) >= set(self.channels) - {0}
 
-    def lacks(self, channel_allocation: str = "uniform", speculate_from: str = "previous") -> str | None:
+    def lacks(
+        self, channel_allocation: str = "uniform", speculate_from: str = "previous", correction: float | None = 0.0
+    ) -> str | None:
         """What these settings read beyond the skew and channels that this artifact does not
         hold (as the reason `verify` gives), or None."""
         if channel_allocation == "calibrated" and not self.has_channel_recall():
@@ -126,11 +141,18 @@ class SkewArtifact:
             )
         if speculate_from == "fitted" and not self.has_query_maps():
             return "has no query maps (made before fitted speculation), which speculate_from=fitted needs"
+        if correction is None and not self.has_correction_tables():
+            return (
+                "has no correction tables (made before the calibrated correction), "
+                "which correction=none (chosen per layer) needs"
+            )
         return None
 
-    def serves(self, channel_allocation: str = "uniform", speculate_from: str = "previous") -> bool:
+    def serves(
+        self, channel_allocation: str = "uniform", speculate_from: str = "previous", correction: float | None = 0.0
+    ) -> bool:
         """Whether it holds what these settings read beyond the skew and channels."""
-        return self.lacks(channel_allocation, speculate_from) is None
+        return self.lacks(channel_allocation, speculate_from, correction) is None
 
     def has_channel_recall(self) -> bool:
         """Whether this artifact can spread channels over the layers (`channel_allocation`)."""
@@ -158,6 +180,13 @@ class SkewArtifact:
             tensors["channel_grid"] = self.channel_grid.to(torch.long).contiguous()
         for i, m in self.query_maps.items():
             tensors[f"layer.{i}.query_map"] = m.contiguous()
+        for i, e in self.correction_errors.items():
+            tensors[f"layer.{i}.correction_error"] = e.to(torch.float32).contiguous()
+        for i, e in self.oracle_errors.items():
+            tensors[f"layer.{i}.oracle_error"] = e.to(torch.float32).contiguous()
+        for name in ("correction_budgets", "correction_shares"):
+            if getattr(self, name) is not None:
+                tensors[name] = getattr(self, name).to(torch.float32).contiguous()
         meta = dict(self.meta)
         meta.pop("checksum", None)
         meta.update(
@@ -203,6 +232,8 @@ class SkewArtifact:
             orders = {i: tensors[k] for i in layers if (k := f"layer.{i}.channel_order") in tensors}
             tables = {i: tensors[k] for i in layers if (k := f"layer.{i}.channel_recall") in tensors}
             maps = {i: tensors[k] for i in layers if (k := f"layer.{i}.query_map") in tensors}
+            corrections = {i: tensors[k] for i in layers if (k := f"layer.{i}.correction_error") in tensors}
+            oracle_errors = {i: tensors[k] for i in layers if (k := f"layer.{i}.oracle_error") in tensors}
             ratio, tokens = float(meta["partial_ratio"]), int(meta["calibration_tokens"])
         except (ValueError, KeyError, IndexError) as exc:
             raise refuse(f"is malformed ({exc})") from exc
@@ -220,6 +251,10 @@ class SkewArtifact:
             channel_recall=tables,
             channel_grid=tensors.get("channel_grid"),
             query_maps=maps,
+            correction_errors=corrections,
+            oracle_errors=oracle_errors,
+            correction_budgets=tensors.get("correction_budgets"),
+            correction_shares=tensors.get("correction_shares"),
         )
 
     def verify(
@@ -231,10 +266,12 @@ class SkewArtifact:
         path: str | os.PathLike | None = None,
         channel_allocation: str = "uniform",
         speculate_from: str = "previous",
+        correction: float | None = 0.0,
     ) -> None:
         """Refuse an artifact made for another model or other settings (`path`: its file, if any);
         for `channel_allocation` "calibrated", also one without the channel recall tables; for
-        `speculate_from` "fitted", one without the query maps."""
+        `speculate_from` "fitted", one without the query maps; for `correction` None, one without
+        the correction tables."""
 
         def refuse(reason: str) -> SkewArtifactError:
             return SkewArtifactError(f"skew artifact{'' if path is None else f' {path}'} {reason}", path, reason)
@@ -250,9 +287,19 @@ class SkewArtifact:
             )
         if sorted(self.channels) != list(range(num_layers)):
             raise refuse(f"covers {len(self.channels)} layers, the model has {num_layers}")
-        missing = self.lacks(channel_allocation, speculate_from)
+        missing = self.lacks(channel_allocation, speculate_from, correction)
         if missing is not None:
             raise refuse(missing)
+
+
+def needs_of(knobs) -> dict:
+    """What settings `knobs` (a config or InfiniGen's knobs) read from an artifact beyond the skew
+    and channels, as `lacks`, `serves` and `verify` take them (defaults for other knobs)."""
+    return dict(
+        channel_allocation=getattr(knobs, "channel_allocation", "uniform"),
+        speculate_from=getattr(knobs, "speculate_from", "previous"),
+        correction=getattr(knobs, "correction", 0.0),
+    )
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -22,8 +22,17 @@ from tqdm.auto import tqdm
 from infinigen.models import ModelAdapter
 from infinigen.skew.artifact import SkewArtifact, model_fingerprint
 from infinigen.skew.channels import skew_from_qk
-from infinigen.skew.query_map import QUERY_MAP_DTYPE, fit_query_map, own_projection
-from infinigen.speculate import RECALL_GRID, channel_grid, oracle_recall_curve, partial_recall_table
+from infinigen.skew.query_map import QUERY_MAP_DTYPE, apply_query_map, fit_query_map, own_projection
+from infinigen.speculate import (
+    CORRECTION_BUDGETS,
+    CORRECTION_SHARES,
+    RECALL_GRID,
+    channel_grid,
+    correction_error_table,
+    oracle_recall_curve,
+    partial_projection,
+    partial_recall_table,
+)
 
 RECALL_QUERIES = 48  # decode positions sampled per layer for the recall curves
 
@@ -131,11 +140,19 @@ def collect_qk(
     input_ids: torch.Tensor,
     progress: bool = True,
     query_maps: dict[int, torch.Tensor] | None = None,
+    speculated: dict[int, dict[str, torch.Tensor]] | None = None,
+    positions: torch.Tensor | None = None,
+    values: dict[int, torch.Tensor] | None = None,
 ):
     """Run the model once and capture, per layer, its queries and keys as the dot product
     sees them (post-RoPE), by recomputing them from each attention module's normalized input.
     `query_maps`: if given, filled with every layer's (but the first's) query map fitted to the
-    previous layer's input (`infinigen.skew.query_map`)."""
+    previous layer's input (`infinigen.skew.query_map`). `speculated` (with `query_maps` and
+    `positions`): filled with every layer's (but the first's) speculated queries [H, P, d] at
+    the P `positions`, by the name of the input they are formed from (`SPECULATED_INPUTS`): the
+    previous layer's input through the layer's own projection, and through its fitted map (as
+    stored, in `QUERY_MAP_DTYPE`, cross-fitted). `values`: if given, filled with every layer's
+    values [Hkv, T, d]."""
     mods = adapter.attention_modules()
     qs: dict[int, torch.Tensor] = {}
     ks: dict[int, torch.Tensor] = {}
@@ -150,9 +167,15 @@ def collect_qk(
             projected = module.q_proj(x)
             qs[i] = adapter.query_heads(i, projected, pe)[0].to(torch.float32).cpu()  # [H, T, d]
             ks[i] = adapter.keys(i, x, pe)[0].to(torch.float32).cpu()  # [Hkv, T, d]
+            if values is not None:
+                values[i] = adapter.values(i, x)[0].to(torch.float32).cpu()
             if query_maps is not None:
                 if previous:
                     query_maps[i] = fit_query_map(previous[0], projected[0], own_projection(module.q_proj)).cpu()
+                    if speculated is not None and positions is not None:
+                        speculated[i] = _speculated_queries(
+                            adapter, i, module, previous[0], projected[0], pe, positions
+                        )
                 previous[:] = [x[0]]
             bar.update(1)
 
@@ -166,6 +189,30 @@ def collect_qk(
             h.remove()
         bar.close()
     return qs, ks
+
+
+SPECULATED_INPUTS = ("previous", "fitted")  # the speculated queries calibration measures the correction with
+
+
+def _speculated_queries(adapter, layer, module, previous, target, pe, positions) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s speculated queries at `positions` ([H, P, d] each, float32, on the CPU),
+    from the previous layer's normalized input [T, D]: through the layer's own projection, and
+    through a fitted map (rounded as the artifact stores it). The fitted ones are cross-fitted:
+    a position in one half of the text is speculated through the map fitted on the other half
+    (`target` [T, H·d]: the layer's own query projection), so that the speculation is measured
+    on text its map has not seen, as at decode. Fitted in-sample, the map looked better than it
+    generalizes."""
+    own = own_projection(module.q_proj)
+    half = previous.shape[0] // 2
+    first = fit_query_map(previous[:half], target[:half], own).to(QUERY_MAP_DTYPE)
+    second = fit_query_map(previous[half:], target[half:], own).to(QUERY_MAP_DTYPE)
+    late = (torch.arange(previous.shape[0], device=previous.device) >= half)[None, :, None]
+    fitted = torch.where(late, apply_query_map(previous[None], first), apply_query_map(previous[None], second))
+    out = {}
+    for name, projected in (("previous", module.q_proj(previous[None])), ("fitted", fitted.to(previous.dtype))):
+        q = adapter.query_heads(layer, projected, pe)[0]
+        out[name] = q[:, positions.to(q.device)].to(torch.float32).cpu()
+    return out
 
 
 @contextlib.contextmanager
@@ -209,9 +256,20 @@ def calibrate(
     spread evenly over the layers, so with `channel_allocation` "calibrated" the channels go
     where they buy the most recall, at the same mean count. And each layer but the first gets
     its query map fitted to the previous layer's input (`infinigen.skew.query_map`, for
-    `speculate_from` "fitted")."""
+    `speculate_from` "fitted"). And each global layer but the first gets the table from which
+    the correction is chosen per layer (`speculate.correction_error_table`, for both inputs of
+    `SPECULATED_INPUTS`; knob `correction` None)."""
+    t = int(input_ids.shape[-1])
+    # decode positions over the last three quarters of the text: contexts from T/4 to T
+    positions = torch.linspace(max(t // 4, 1), t - 1, min(RECALL_QUERIES, max(t - t // 4 - 1, 1))).round().long()
+    positions = positions.unique()
     maps: dict[int, torch.Tensor] = {}
-    qs, ks = collect_qk(model, adapter, input_ids, progress=progress, query_maps=maps)
+    speculated: dict[int, dict[str, torch.Tensor]] = {}
+    values: dict[int, torch.Tensor] = {}
+    qs, ks = collect_qk(
+        model, adapter, input_ids, progress=progress, query_maps=maps, speculated=speculated, positions=positions,
+        values=values,
+    )  # fmt: skip
     skews: dict[int, torch.Tensor | None] = {}
     channels: dict[int, torch.Tensor] = {}
     orders: dict[int, torch.Tensor] = {}
@@ -219,16 +277,23 @@ def calibrate(
     counts = channel_grid(adapter.head_dim)
     curves: dict[int, torch.Tensor] = {}
     grid = torch.tensor(RECALL_GRID)
-    t = int(input_ids.shape[-1])
-    # decode positions over the last three quarters of the text: contexts from T/4 to T
-    positions = torch.linspace(max(t // 4, 1), t - 1, min(RECALL_QUERIES, max(t - t // 4 - 1, 1))).round().long()
+    corrections: dict[int, torch.Tensor] = {}
+    oracle_errors: dict[int, torch.Tensor] = {}
     for i in range(adapter.num_layers):
         a, c, order = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, partial_ratio, skewed, with_order=True)
         skews[i] = a if skewed else None
         channels[i] = c
         orders[i] = order
-        curves[i] = oracle_recall_curve(qs[i], ks[i], positions.unique(), adapter.scaling(i), grid)
-        tables[i] = partial_recall_table(qs[i], ks[i], positions.unique(), adapter.scaling(i), skews[i], order, counts)
+        curves[i] = oracle_recall_curve(qs[i], ks[i], positions, adapter.scaling(i), grid)
+        tables[i] = partial_recall_table(qs[i], ks[i], positions, adapter.scaling(i), skews[i], order, counts)
+        if i in speculated and not adapter.is_local(i):  # local layers are never speculated
+            projection = partial_projection(skews[i], c, adapter.head_dim)
+            per_input = [
+                correction_error_table(qs[i], speculated[i][name], ks[i], values[i], positions, adapter.scaling(i), projection)
+                for name in SPECULATED_INPUTS
+            ]  # fmt: skip
+            corrections[i] = torch.stack([errors for errors, _ in per_input])
+            oracle_errors[i] = per_input[0][1]
     return SkewArtifact(
         skews=skews,
         channels=channels,
@@ -243,4 +308,8 @@ def calibrate(
         channel_recall=tables,
         channel_grid=torch.tensor(counts, dtype=torch.long),
         query_maps={i: m.to(QUERY_MAP_DTYPE) for i, m in maps.items()},
+        correction_errors=corrections,
+        oracle_errors=oracle_errors,
+        correction_budgets=torch.tensor(CORRECTION_BUDGETS),
+        correction_shares=torch.tensor(CORRECTION_SHARES),
     )
