@@ -543,14 +543,13 @@ def correction_error_table(
     errors = torch.zeros(len(budgets), len(shares), dtype=torch.float64)
     oracle = torch.zeros(len(budgets), dtype=torch.float64)
     for j, p in enumerate(positions.tolist()):
-        own = query[:, p].to(torch.float32).reshape(hkv, g, 1, d)
-        k, v = key[:, None, : p + 1].to(torch.float32), value[:, : p + 1].to(torch.float32)
-        probs = torch.softmax(torch.matmul(own, k.transpose(-1, -2))[:, :, 0] * scaling, -1)  # [Hkv, G, p + 1]
-        dense = torch.matmul(probs, v)  # [Hkv, G, d]
-
+        own = query[:, p].to(torch.float32).reshape(hkv, g, d)
+        k, v = key[:, : p + 1].to(torch.float32), value[:, : p + 1].to(torch.float32)
+        probs = torch.softmax(torch.bmm(own, k.transpose(1, 2)) * scaling, -1)  # [Hkv, G, p + 1]
+        dense = torch.bmm(probs, v)  # [Hkv, G, d]
         ranks = []
-        for q in (own, speculated[:, j].to(torch.float32).reshape(hkv, g, 1, d)):
-            s = torch.matmul(torch.matmul(q, proj[:, None]), key_part[:, None, :p].transpose(-1, -2))[:, :, 0]
+        for q in (own, speculated[:, j].to(torch.float32).reshape(hkv, g, d)):
+            s = torch.bmm(torch.bmm(q, proj), key_part[:, :p].transpose(1, 2))  # [Hkv, G, p]
             ranks.append(
                 torch.logsumexp(torch.log_softmax(s * scaling, -1), 1).argsort(dim=-1, descending=True, stable=True)
             )
@@ -568,10 +567,13 @@ def correction_error_table(
                 take = free & (free.long().cumsum(1) <= math.ceil(b * share * p))
                 chosen.scatter_(1, own_rank, take | ~free)
                 masks.append(chosen)
-        keep = torch.cat([torch.stack(masks), torch.ones(len(masks), hkv, 1, dtype=torch.bool)], -1)  # itself attended
-        kept = probs[None] * keep[:, :, None]  # [M, Hkv, G, p + 1]
-        out = torch.matmul(kept, v[None]) / kept.sum(-1, keepdim=True)
-        err = (out - dense[None]).pow(2).sum(-1).mean((1, 2)).to(torch.float64).view(len(budgets), 1 + len(shares))
+        keep = torch.cat(
+            [torch.stack(masks, 1), torch.ones(hkv, len(masks), 1, dtype=torch.bool)], -1
+        )  # itself attended
+        kept = (probs[:, None] * keep[:, :, None]).reshape(hkv, -1, p + 1)  # [Hkv, M·G, p + 1]: one product per KV head
+        out = torch.bmm(kept, v) / kept.sum(-1, keepdim=True)
+        diff = out.view(hkv, len(masks), g, d) - dense[:, None]
+        err = diff.pow(2).sum(-1).mean((0, 2)).to(torch.float64).view(len(budgets), 1 + len(shares))
         oracle += err[:, 0]
         errors += err[:, 1:]
     n = max(len(positions), 1)
