@@ -22,8 +22,8 @@ Two additions, each a knob:
                            speculated output strays from the dense one well beyond the oracle's.
 
 The C kernel implements the threshold/budget/floor rule with one budget per call, so a per-layer
-budget uses it too; blocks (`block_tokens` > 1) and the correction's top-up run on the tensor
-path (`speculate.select_blocks`, `speculate.top_up`)."""
+budget uses it too, and the correction's top-up (`kernels.top_up`, the rule of
+`speculate.top_up`); blocks (`block_tokens` > 1) run on the tensor path (`speculate.select_blocks`)."""
 
 from __future__ import annotations
 
