@@ -54,7 +54,7 @@ POLICIES: dict[str, PolicySpec] = {
         "offload",
         "infinigen",
         default_budget=0.1,
-        summary="speculated one layer ahead from partial keys; the top of each layer's calibrated budget",
+        summary="speculated one layer ahead from partial keys; the top of each layer's budget",
     ),
     "dense": PolicySpec("compute", None, summary="the whole KV stays with the compute (quality reference)"),
     "full": PolicySpec("offload", None, summary="every row from the slow tier each step (full-fetch offload)"),
@@ -145,9 +145,9 @@ class SelectionBudget(_Validated):
 class SpeculationKnobs(SelectionBudget):
     """InfiniGen's selector: skewed partial query of layer i from layer i-1's input (through
     layer i's query projection refitted to that input at calibration) against the partial keys;
-    each layer keeps the top of its budget (calibrated spread of `budget`), an optional
-    threshold alpha, and a floor. Defaults chosen on the essays, reported on other
-    genres (docs/results.md, "Selection that holds on unseen text")."""
+    each layer keeps the top of its budget (`budget`, or a calibrated spread of it), an optional
+    threshold alpha, and a floor. Defaults chosen on the essays, on every model measured, and
+    reported on other genres (docs/results.md, "Selection that holds on unseen text")."""
 
     alpha: float = knob(
         math.inf,
@@ -171,9 +171,10 @@ class SpeculationKnobs(SelectionBudget):
     )
     layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA)
     allocation: str = knob(
-        "calibrated",
-        "how the budget is spread over the speculated layers: uniform (the same fraction each) or calibrated "
-        "(per-layer fractions with the same mean, from the oracle recall curves in the skew artifact)",
+        "uniform",
+        "how the budget is spread over the speculated layers: uniform (the same fraction each, as the oracle it "
+        "is measured against) or calibrated (per-layer fractions with the same mean, from the oracle recall curves "
+        "in the skew artifact; better on SmolLM2-135M, worse on Gemma-3-270m, docs/results.md)",
         one_of(ALLOCATIONS),
     )
     channel_allocation: str = knob(

@@ -3,10 +3,10 @@ against the partial keys K̃ᵢ on the skewed channels), keep the positions with
 (within the layer's budget) and fetch only those — one layer ahead, so the fetch overlaps
 layer i-1 (Lee et al., OSDI 2024).
 
-Two additions, each a knob:
+Additions, each a knob:
   allocation="calibrated"  the budget is spread over the layers by their oracle recall curves,
                            measured at calibration (`speculate.allocate_budgets`); the mean
-                           fraction is still `budget`;
+                           fraction is still `budget` (default "uniform": every layer `budget`);
   channel_allocation="calibrated"  the partial channels are spread over the layers by the
                            recall of speculating with c channels, measured at calibration
                            (`speculate.allocate_channels`); the mean count is still r·d;
