@@ -46,8 +46,7 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
         channels = channels_from_artifact(artifact, counts)
         devices = layer_devices(adapter)
         projections = projections_from_artifact(artifact, adapter.head_dim, folded, devices, channels)
-        budgets = layer_budgets_from_artifact(artifact, knobs, selecting)
-        corrections = layer_corrections_from_artifact(artifact, knobs, selecting, budgets)
+        budgets, corrections = _budgets_and_corrections(artifact, knobs, selecting)
         maps = query_maps_from_artifact(artifact, knobs, selecting, adapter.num_heads, folded, devices)
         return InfiniGenSelector(
             knobs, adapter, projections, budgets, selecting, maps, config.storage_dtype(), corrections
@@ -70,8 +69,14 @@ def corrections_chosen(config: InfiniGenConfig, adapter, artifact) -> dict[int, 
     layers = selecting_layers(config, adapter)
     if knobs.correction is not None:
         return {i: knobs.correction for i in layers if knobs.correction > 0}
+    return _budgets_and_corrections(artifact, knobs, layers)[1]
+
+
+def _budgets_and_corrections(artifact, knobs, layers: list[int]) -> tuple[dict[int, float], dict[int, float]]:
+    """Per layer, its budget and its calibrated top-up (each empty where the knobs choose none):
+    the one derivation `make_selector` builds with and `corrections_chosen` reports."""
     budgets = layer_budgets_from_artifact(artifact, knobs, layers)
-    return layer_corrections_from_artifact(artifact, knobs, layers, budgets)
+    return budgets, layer_corrections_from_artifact(artifact, knobs, layers, budgets)
 
 
 def layer_devices(adapter) -> dict[int, torch.device]:

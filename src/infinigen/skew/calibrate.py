@@ -151,8 +151,8 @@ def collect_qk(
     `positions`): filled with every layer's (but the first's) speculated queries [H, P, d] at
     the P `positions`, by the name of the input they are formed from (`SPECULATED_INPUTS`): the
     previous layer's input through the layer's own projection, and through its fitted map (as
-    stored, in `QUERY_MAP_DTYPE`, cross-fitted). `values`: if given, filled with every layer's
-    values [Hkv, T, d]."""
+    stored, in `QUERY_MAP_DTYPE`, cross-fitted). `values`: if given, filled with every global
+    (not sliding-window) layer's values [Hkv, T, d]: the correction tables read no others."""
     mods = adapter.attention_modules()
     qs: dict[int, torch.Tensor] = {}
     ks: dict[int, torch.Tensor] = {}
@@ -167,7 +167,7 @@ def collect_qk(
             projected = module.q_proj(x)
             qs[i] = adapter.query_heads(i, projected, pe)[0].to(torch.float32).cpu()  # [H, T, d]
             ks[i] = adapter.keys(i, x, pe)[0].to(torch.float32).cpu()  # [Hkv, T, d]
-            if values is not None:
+            if values is not None and not adapter.is_local(i):  # the correction tables' (global layers only)
                 values[i] = adapter.values(i, x)[0].to(torch.float32).cpu()
             if query_maps is not None:
                 if previous:
