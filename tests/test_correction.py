@@ -194,9 +194,9 @@ def test_a_number_or_own_speculation_overrides_the_tables():
     rigged = _rigged(art, [10.0] * (len(art.correction_shares) - 1) + [1.0], [2, 3])
     explicit = make_selector(InfiniGenConfig(budget=0.2, allocation="uniform", correction=0.03), adapter, rigged)
     assert not explicit.layer_corrections and explicit.correction(3) == 0.03 and explicit.speculated_budget(3) == 0.2
-    off = make_selector(InfiniGenConfig(budget=0.2, correction=0.0), adapter, rigged)
+    off = make_selector(InfiniGenConfig(budget=0.2, allocation="uniform", correction=0.0), adapter, rigged)
     assert off.correction(3) == 0.0
-    own = make_selector(InfiniGenConfig(budget=0.2, speculate_from="own"), adapter, rigged)
+    own = make_selector(InfiniGenConfig(budget=0.2, allocation="uniform", speculate_from="own"), adapter, rigged)
     assert not own.layer_corrections  # the layer's own query: nothing to correct
 
 

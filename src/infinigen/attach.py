@@ -20,6 +20,7 @@ cache object to the attention function. State lives in the cache, never on the m
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -30,10 +31,12 @@ from torch import nn
 from infinigen.attention import ATTN_NAME, register_attention
 from infinigen.cache import InfiniGenCache, SessionCache
 from infinigen.config import InfiniGenConfig
+from infinigen.eval.spread_choice import measure as measure_spread
 from infinigen.models import ModelAdapter, get_adapter
 from infinigen.select import Selector, make_selector
-from infinigen.skew import SkewArtifact, calibration_length, model_fingerprint, obtain_artifact
+from infinigen.skew import SkewArtifact, SkewArtifactWarning, calibration_length, model_fingerprint, obtain_artifact
 from infinigen.skew.artifact import needs_of
+from infinigen.spread import needs_measuring, settings_key, stored_choice
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Session] = weakref.WeakKeyDictionary()
 
@@ -170,7 +173,29 @@ class Session:
         """The selector of `config` in this session (None for a policy that reads every row)."""
         config.check_layers(self.adapter.num_layers)
         artifact = self._artifact_for(config) if config.spec.selector == "infinigen" else None
+        if artifact is not None and needs_measuring(config) and stored_choice(artifact, config) is None:
+            self._measure_spread(artifact, config)
         return make_selector(config, self.adapter, artifact, folded=self.folded)
+
+    def _measure_spread(self, artifact: SkewArtifact, config: InfiniGenConfig) -> None:
+        """Choose the budget's spread for `config` (allocation "auto") by measuring it on this
+        model, and keep the choice in the artifact: saved with a cached one, so that it is made
+        once per model and settings; a given artifact's file is left as it is (`infinigen skew`
+        stores the defaults' choice in the files it writes)."""
+        if not self.attached:
+            raise RuntimeError("this session is detached: attach the model again to choose the budget spread")
+        choice = measure_spread(self, config, progress=self._progress)
+        artifact.meta[settings_key(config)] = choice.to_json()
+        if artifact.origin is not None:
+            try:
+                artifact.save(artifact.origin)
+            except OSError as exc:
+                warnings.warn(
+                    f"could not save the budget spread's choice to {artifact.origin} ({exc.strerror or exc}); "
+                    "it will be measured again next time",
+                    SkewArtifactWarning,
+                    stacklevel=3,
+                )
 
     def _artifact_for(self, config: InfiniGenConfig) -> SkewArtifact:
         key = (round(config.partial_ratio, 6), config.skew, calibration_length(config.calibration_tokens, self.adapter))

@@ -31,6 +31,7 @@ from infinigen.config import (
     setting_fields,
 )
 from infinigen.errors import InfiniGenError, InputError
+from infinigen.spread import needs_measuring, stored_choice
 
 DEMO_PROMPT = "areopagitica_opening.txt"
 DEMO_PROMPT_TOKENS = 8000  # near SmolLM2's 8192 positions: the long context the method is for
@@ -237,8 +238,20 @@ def cmd_skew(args: argparse.Namespace) -> int:
         if args.output
         else artifact_path(default_cache_dir(), model.config.model_type, fp, config.partial_ratio, config.skew, tokens)
     )
+    if needs_measuring(config):  # the defaults' budget spread, measured now and stored with the artifact
+        from infinigen.attach import attach
+
+        with attach(model, config, skew=art, tokenizer=tok, progress=not args.quiet) as session:
+            session.selector_for(config)
     art.save(out)
     print(f"skew artifact: {out}  ({adapter.num_layers} layers, {tokens} calibration tokens, r={config.partial_ratio})")
+    choice = stored_choice(art, config)
+    if choice is not None:
+        measured = ", ".join(f"{name} {ratio:.2f}" for name, ratio in sorted(choice.kl_ratio.items()))
+        print(
+            f"budget spread (allocation auto, budget {config.resolved_budget:g}): {choice.choice}; KL as a multiple "
+            f"of the oracle's on held-out text: {measured} ({choice.windows} windows of {choice.context} tokens)"
+        )
     # Report the query mass held by the partial channels, skewed vs not, on held-out text: the
     # essay's opening (the default calibrates on its end), or the first half of the user's text.
     held_text = text[: len(text) // 2] if text is not None else None

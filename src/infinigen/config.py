@@ -65,7 +65,7 @@ POLICIES: dict[str, PolicySpec] = {
     "oracle": PolicySpec("offload", "oracle", default_budget=0.1, summary="true top attention mass (upper bound)"),
 }
 AGGREGATIONS = ("max", "sum", "union", "mass")
-ALLOCATIONS = ("uniform", "calibrated")
+ALLOCATIONS = ("auto", "uniform", "calibrated")
 CHANNEL_ALLOCATIONS = ("uniform", "calibrated")
 SPECULATION_INPUTS = ("previous", "fitted", "own")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
@@ -171,10 +171,11 @@ class SpeculationKnobs(SelectionBudget):
     )
     layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA)
     allocation: str = knob(
-        "uniform",
+        "auto",
         "how the budget is spread over the speculated layers: uniform (the same fraction each, as the oracle it "
-        "is measured against) or calibrated (per-layer fractions with the same mean, from the oracle recall curves "
-        "in the skew artifact; better on SmolLM2-135M, worse on Gemma-3-270m, docs/results.md)",
+        "is measured against), calibrated (per-layer fractions with the same mean, from the oracle recall curves "
+        "in the skew artifact) or auto (whichever of the two loses less against the oracle on held-out text, "
+        "measured once per model and settings and stored in the skew artifact; `infinigen.spread`)",
         one_of(ALLOCATIONS),
     )
     channel_allocation: str = knob(

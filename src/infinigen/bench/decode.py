@@ -345,9 +345,9 @@ def run_parent(args: argparse.Namespace) -> int:
     if too_long:
         raise SystemExit(f"contexts {too_long} + {args.steps} steps exceed the model's {limit} positions")
     for _, cfg in configs:
-        if cfg.spec.selector == "infinigen":  # calibrate once, here, so that no child pays for it
-            with attach(model, cfg, tokenizer=tok):
-                pass
+        if cfg.spec.selector == "infinigen":  # calibrate (and choose the spread) once, here: no child pays for it
+            with attach(model, cfg, tokenizer=tok) as session:
+                session.selector_for(cfg)
     rows: list[dict] = []
     base = configs[0][1]
     bar = tqdm(total=len(contexts) * len(batches) * len(configs) * args.repeats, desc="bench decode", unit="run")

@@ -1,273 +1,28 @@
-"""The one evaluator: S teacher-forced tokens through any policy in one forward pass.
-
-Stepping a model through S decode steps costs S full forward passes. Under teacher forcing the
-tokens are known, so the S steps can run as one chunk after a shared dense prefill — provided
-every position attends exactly what the step-by-step decode would have let it attend. The chunk
-runs through a `ForcedCache` driven by the same attach session, hooks and selectors as decoding:
-per layer, each `ForcedLayer` replays its selector's calls in step order (`select` for position s
-from the state after s - 1 steps, `on_append` of s's key, `observe` of s's weights), builds the
-mask row by row, and attends with the stored KV as the tier would return it (rounded to the
-storage dtype, or int4-quantized; the current token's own K and V are exact, as in decode).
-The layer roles, storage rounding and row bytes come from the config and storage, exactly as the
-cache uses them; a local (sliding-window) layer is the cache's own `LocalLayer`, started from
-the prefix's window. `tests/test_forced.py` checks logits, fractions, bytes and recall against the
-step-by-step decode path.
-
-The prefill is dense for every policy (InfiniGen's prefill is), so one prefill per text serves
-every policy; a policy never changes it.
+"""The one evaluator: S teacher-forced tokens through any policy in one forward pass, on a
+session of its own (`infinigen.eval.forced` has the how: the forced layers and their runs).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 from torch import nn
-from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin
 
 from infinigen.attach import Session, attach
-from infinigen.attention import dense_attention
-from infinigen.cache import SessionCache
 from infinigen.config import InfiniGenConfig
-from infinigen.layers import LocalLayer, Positions, SessionLayer
-from infinigen.prefill import chunked_prefill
-from infinigen.select import Selector
-from infinigen.speculate import Selection, attention_column_sums, attention_recall, selection_mask
-from infinigen.storage import roundtrip, row_bytes
+from infinigen.eval.forced import ForcedResult, ForcedRunner, Prefix
+
+__all__ = ["Evaluator", "ForcedResult", "Prefix"]
 
 
-@dataclass
-class ForcedResult:
-    logits: torch.Tensor  # [B, S, V]: after each forced token
-    per_layer_fraction: dict[int, float]
-    per_layer_recall: dict[int, float]
-    per_head_recall: dict[int, list[float]]  # per layer, per query head
-    bytes_fetched: int
-    rows_fetched: int
-    steps: int
-    policy: str
-    correction_rows: int = 0  # of rows_fetched: the top-ups of speculate-then-correct
-    per_layer_correction: dict[int, float] = field(default_factory=dict)  # of per_layer_fraction: the top-ups'
-
-    @property
-    def fetched_fraction(self) -> float | None:
-        if not self.per_layer_fraction:
-            return None
-        return sum(self.per_layer_fraction.values()) / len(self.per_layer_fraction)
-
-    @property
-    def recall(self) -> float | None:
-        if not self.per_layer_recall:
-            return None
-        return sum(self.per_layer_recall.values()) / len(self.per_layer_recall)
-
-    def bytes_per_token(self, batch: int = 1) -> float:
-        return self.bytes_fetched / max(self.steps * batch, 1)
-
-
-@dataclass
-class Prefix:
-    """A dense prefill shared by every policy evaluated on the same text."""
-
-    ids: torch.Tensor  # [B, T0]
-    cache: DynamicCache
-    last_logits: torch.Tensor  # [B, V]: predicts the first forced token (dense for every policy)
-    _column_sums: dict[int, torch.Tensor] | None = None
-
-    @property
-    def length(self) -> int:
-        return self.ids.shape[1]
-
-
-@dataclass
-class _Record:
-    """What the layers of one forced run measure together."""
-
-    measure_recall: bool
-    fraction: dict[int, float] = field(default_factory=dict)
-    recall: dict[int, float] = field(default_factory=dict)
-    recall_heads: dict[int, list[float]] = field(default_factory=dict)
-    bytes: int = 0
-    rows: int = 0
-    correction_rows: int = 0
-    correction: dict[int, float] = field(default_factory=dict)  # per layer: mean top-up fraction
-
-
-class _StoredWeights:
-    """A prefix's prefill attention for one layer, computed (for every layer) only if asked for."""
-
-    def __init__(self, evaluator: Evaluator, prefix: Prefix, layer: int) -> None:
-        self._evaluator, self._prefix, self._layer = evaluator, prefix, layer
-
-    def column_sums(self) -> torch.Tensor:
-        return self._evaluator.column_sums(self._prefix)[self._layer]
-
-
-class _PrefillLayer(SessionLayer):
-    """A dense prefill layer that can also record its attention's column sums."""
-
-    def __init__(self, record: dict[int, torch.Tensor] | None, index: int) -> None:
-        super().__init__()
-        self.record, self.index, self.length = record, index, 0
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.length += key_states.shape[2]
-        return key_states, value_states
-
-    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        if self.record is not None:
-            sc = query.shape[-1] ** -0.5 if scaling is None else scaling
-            valid = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
-            self.record[self.index] = attention_column_sums(query, key, valid, sc)
-        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-class ForcedLayer(SessionLayer):
-    """One layer of a forced run: the prefix's KV, then the S forced positions, attended as the
-    step-by-step decode would (see the module docstring)."""
-
-    def __init__(
-        self,
-        index: int,
-        role: str,
-        prefix: Prefix,
-        config: InfiniGenConfig,
-        selector: Selector | None,
-        state: Any,
-        adapter,
-        record: _Record,
-    ) -> None:
-        super().__init__()
-        self.index, self.role, self.config, self.adapter, self.record = index, role, config, adapter, record
-        self.selector, self.state = selector, state
-        self.prefix_keys = prefix.cache.layers[index].keys
-        self.prefix_values = prefix.cache.layers[index].values
-        self.length = prefix.length
-        self.inputs: dict[str, tuple[torch.Tensor, Any]] = {}
-
-    def own_input(self, x, pe) -> None:
-        self.inputs["own"] = (x, pe)
-
-    def previous_input(self, x, pe) -> None:
-        self.inputs["previous"] = (x, pe)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.length += key_states.shape[2]
-        return torch.cat([self.prefix_keys, key_states], -2), torch.cat([self.prefix_values, value_states], -2)
-
-    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        if self.role == "compute":
-            return dense_attention(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-            )
-        sc = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return self._fetched_attention(query, key, value, sc)
-
-    def _fetched_attention(self, query, key, value, scaling: float):
-        """Attention of S forced positions over the KV a tier would return, masked per position."""
-        fmt = self.config.spec.fmt
-        b, h, s_len, d = query.shape
-        hkv, k_len = key.shape[1], key.shape[2]
-        g = h // hkv
-        t0 = k_len - s_len
-        kv_dtype = self.config.storage_dtype() or key.dtype
-        k_st = roundtrip(fmt, key, kv_dtype).to(torch.float32)
-        v_st = roundtrip(fmt, value, kv_dtype).to(torch.float32)
-        qf = query.to(torch.float32)
-        kr, vr = k_st.repeat_interleave(g, 1), v_st.repeat_interleave(g, 1)
-        scores = torch.matmul(qf, kr.transpose(-1, -2)) * scaling  # [B, H, S, K]
-        rows = torch.arange(s_len, device=query.device)
-        self_col = t0 + rows
-        k_self = key[:, :, t0:].to(torch.float32).repeat_interleave(g, 1)  # exact: never stored yet
-        v_self = value[:, :, t0:].to(torch.float32).repeat_interleave(g, 1)
-        scores[:, :, rows, self_col] = (qf * k_self).sum(-1) * scaling
-        cols = torch.arange(k_len, device=query.device)
-        causal = cols[None, :] <= self_col[:, None]  # [S, K]
-        if self.role == "fetch_all":
-            allowed = causal[None, None].expand(b, h, s_len, k_len)
-            n_rows = b * hkv * int((t0 + rows).sum())
-            self.record.rows += n_rows
-            self.record.bytes += n_rows * row_bytes(fmt, d, kv_dtype)
-        else:
-            mask = self._replay_selection(scores, query, key, t0, s_len, kv_dtype)
-            allowed = mask[:, :, None].expand(b, hkv, g, s_len, k_len).reshape(b, h, s_len, k_len)
-            allowed = allowed | (cols[None, :] == self_col[:, None])[None, None]
-        probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1)
-        out = torch.matmul(probs, vr)
-        p_self = probs[:, :, rows, self_col]  # [B, H, S]
-        out = out + p_self[..., None] * (v_self - vr[:, :, t0:])  # the current token's exact V
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
-
-    def _replay_selection(self, scores, own_query, key, t0: int, s_len: int, kv_dtype) -> torch.Tensor:
-        """The selector's step-by-step selections of this layer for the S positions, with the
-        corrections its own queries add: [B, Hkv, S, K]."""
-        selector, state, i, record = self.selector, self.state, self.index, self.record
-        b, h = scores.shape[:2]
-        hkv, k_len = key.shape[1], key.shape[2]
-        g = h // hkv
-        queries = None
-        if selector.query_from is not None:
-            x, pe = self.inputs[selector.query_from]
-            queries = selector.query(i, x.to(torch.float32), pe)  # [B, H, S, d]
-        real = torch.ones(b, 1, k_len, dtype=torch.bool, device=key.device)
-        new_valid = torch.ones(b, 1, dtype=torch.bool, device=key.device)
-        mask = torch.zeros(b, hkv, s_len, k_len, dtype=torch.bool, device=key.device)
-        frac_sum, extra_sum, rec_sum = 0.0, 0.0, torch.zeros(h, dtype=torch.float64)
-        per_row = row_bytes(self.config.spec.fmt, key.shape[-1], kv_dtype)
-        for s in range(s_len):
-            past = t0 + s
-            q = queries[:, :, s] if queries is not None else None
-            valid = real[..., :past].expand(b, hkv, past)
-            sel = selector.select(state, i, q, past, valid)
-            selector.on_append(state, i, key[:, :, past : past + 1], new_valid)
-            extra = selector.correct(state, i, own_query[:, :, s], past, valid, sel)
-            if extra is not None and extra.indices.shape[-1]:
-                record.correction_rows += int(extra.valid.sum())
-                extra_sum += (extra.counts.to(torch.float64) / max(past, 1)).mean().item()
-                sel = Selection(torch.cat([sel.indices, extra.indices], -1), torch.cat([sel.valid, extra.valid], -1))
-            mask[:, :, s, :past] = selection_mask(sel, past)
-            allowed = mask[:, :, s, : past + 1].clone()
-            allowed[..., past] = True
-            row = scores[:, :, s, : past + 1].masked_fill(~allowed.repeat_interleave(g, 1), -math.inf)
-            p = torch.softmax(row, -1)
-            selector.observe(state, i, sel, p.gather(-1, sel.indices.repeat_interleave(g, 1)), p[..., past])
-            frac_sum += (sel.counts.to(torch.float64) / max(past, 1)).mean().item()
-            n = int(sel.valid.sum())
-            record.rows += n
-            record.bytes += n * per_row
-            if record.measure_recall:
-                true = torch.softmax(scores[:, :, s, :past], -1)
-                rec_sum += attention_recall(true, sel).mean(0).to(torch.float64)
-        record.fraction[i] = frac_sum / s_len
-        if extra_sum:
-            record.correction[i] = extra_sum / s_len
-        if record.measure_recall:
-            heads = rec_sum / s_len
-            record.recall[i] = heads.mean().item()
-            record.recall_heads[i] = heads.tolist()
-        return mask
-
-
-class ForcedCache(SessionCache):
-    """The layers of one forced run, for the session's hooks."""
-
-    def __init__(self, layers: list[CacheLayerMixin]) -> None:
-        super().__init__(layers=layers)
-        self.positions = Positions()
-
-
-class Evaluator:
-    """Teacher-forced evaluation of many configs on one text, sharing one dense prefill.
+class Evaluator(ForcedRunner):
+    """Teacher-forced evaluation of many configs on one text, sharing one dense prefill
+    (`ForcedRunner.prefill`, `ForcedRunner.run`).
 
     Use as a context manager: it attaches the model for its lifetime (one session, which loads
     each config's skew artifact as needed) and detaches it on exit."""
 
     def __init__(self, model: nn.Module, tokenizer=None, progress: bool = False) -> None:
-        self.model, self.tokenizer, self.progress = model, tokenizer, progress
-        self._session: Session | None = None
+        super().__init__(model)
+        self.tokenizer, self.progress = tokenizer, progress
 
     @property
     def session(self) -> Session:
@@ -277,10 +32,6 @@ class Evaluator:
                 self.model, InfiniGenConfig(policy="dense"), tokenizer=self.tokenizer, progress=self.progress
             )
         return self._session
-
-    @property
-    def adapter(self):
-        return self.session.adapter
 
     def close(self) -> None:
         if self._session is not None:
@@ -292,72 +43,3 @@ class Evaluator:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    @torch.no_grad()
-    def prefill(self, ids: torch.Tensor) -> Prefix:
-        """Dense prefill of ids [B, T0] (in chunks, see `infinigen.prefill`)."""
-        if ids.dim() == 1:
-            ids = ids[None]
-        _ = self.session  # attached before the forward, so that every run sees the same model
-        cache = DynamicCache(config=self.model.config)
-        out = chunked_prefill(self.model, ids, cache, logits_to_keep=1)
-        return Prefix(ids, cache, out.logits[:, -1].float())
-
-    @torch.no_grad()
-    def column_sums(self, prefix: Prefix) -> dict[int, torch.Tensor]:
-        """Per layer, the prefill's attention column sums (what H2O accumulates), computed once
-        per prefix by a second prefill pass the first time a selector asks."""
-        if prefix._column_sums is None:
-            record: dict[int, torch.Tensor] = {}
-            layers = [_PrefillLayer(record, i) for i in range(self.adapter.num_layers)]
-            cache = ForcedCache(layers)
-            self.model(input_ids=prefix.ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            prefix._column_sums = record
-        return prefix._column_sums
-
-    @torch.no_grad()
-    def run(
-        self, prefix: Prefix, chunk: torch.Tensor, config: InfiniGenConfig, measure_recall: bool = False
-    ) -> ForcedResult:
-        """Logits after each token of `chunk` [B, S] when decoding under `config`'s policy."""
-        if chunk.dim() == 1:
-            chunk = chunk[None]
-        session = self.session
-        adapter = session.adapter
-        selector = session.selector_for(config)
-        record = _Record(measure_recall=measure_recall and selector is not None)
-        layers = []
-        for i in range(adapter.num_layers):
-            role = config.layer_role(i, local=adapter.is_local(i))
-            if role == "local":  # its window of the prefix, then the chunk, under the model's sliding mask
-                layers.append(_local_layer(prefix, i, adapter.window(i)))
-                continue
-            state = None
-            if role == "select":
-                state = selector.new_state(i)
-                k_pre = prefix.cache.layers[i].keys
-                valid = torch.ones(k_pre.shape[0], k_pre.shape[2], dtype=torch.bool, device=k_pre.device)
-                selector.on_append(state, i, k_pre, valid)
-                selector.on_prefill(state, i, _StoredWeights(self, prefix, i))
-            layers.append(ForcedLayer(i, role, prefix, config, selector, state, adapter, record))
-        out = self.model(input_ids=chunk, past_key_values=ForcedCache(layers), use_cache=True)
-        return ForcedResult(
-            logits=out.logits.float(),
-            per_layer_fraction=record.fraction,
-            per_layer_recall=record.recall,
-            per_head_recall=record.recall_heads,
-            bytes_fetched=record.bytes,
-            rows_fetched=record.rows,
-            steps=chunk.shape[1],
-            policy=config.policy,
-            correction_rows=record.correction_rows,
-            per_layer_correction=record.correction,
-        )
-
-
-def _local_layer(prefix: Prefix, index: int, window: int) -> LocalLayer:
-    """A local layer holding the last `window` - 1 positions of the prefix, as decoding would."""
-    stored = prefix.cache.layers[index]
-    keep = min(prefix.length, window - 1)
-    start = stored.keys.shape[2] - keep
-    return LocalLayer(index, window, stored.keys[:, :, start:], stored.values[:, :, start:], length=prefix.length)

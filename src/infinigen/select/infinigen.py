@@ -6,7 +6,9 @@ layer i-1 (Lee et al., OSDI 2024).
 Additions, each a knob:
   allocation="calibrated"  the budget is spread over the layers by their oracle recall curves,
                            measured at calibration (`speculate.allocate_budgets`); the mean
-                           fraction is still `budget` (default "uniform": every layer `budget`);
+                           fraction is still `budget` ("uniform": every layer `budget`; the
+                           default "auto": whichever of the two measures better on the model,
+                           `infinigen.spread`, resolved before the selector is built);
   channel_allocation="calibrated"  the partial channels are spread over the layers by the
                            recall of speculating with c channels, measured at calibration
                            (`speculate.allocate_channels`); the mean count is still r·d;
@@ -51,6 +53,7 @@ from infinigen.speculate import (
     selection_mask,
     top_up,
 )
+from infinigen.spread import SpreadChoice
 
 
 @dataclass
@@ -81,6 +84,7 @@ class InfiniGenSelector(Selector):
         query_maps: dict[int, torch.Tensor] | None = None,
         kv_dtype: torch.dtype | None = None,
         layer_corrections: dict[int, float] | None = None,
+        spread_choice: SpreadChoice | None = None,
     ) -> None:
         """projections: per layer, the skew columns of the partial channels [Hkv, d, c]
         (see `projections_from_artifact`; c may differ between layers); layer_budgets: per
@@ -91,8 +95,11 @@ class InfiniGenSelector(Selector):
         compute dtype). They stay with the compute for the whole context: with 16-bit KV they
         take r of the stored keys' bytes, where float32 copies took 2r. layer_corrections: per
         speculated layer, the fraction of the context its top-up fetches
-        (`layer_corrections_from_artifact`), else `correction` everywhere."""
+        (`layer_corrections_from_artifact`), else `correction` everywhere. spread_choice: the
+        measurement that chose `knobs.allocation` (a `spread.SpreadChoice`, for allocation
+        "auto"), which `describe` reports."""
         super().__init__(knobs, adapter)
+        self.spread_choice = spread_choice
         self.layer_corrections = dict(layer_corrections or {})
         self.proj = projections
         self.layer_budgets = dict(layer_budgets or {})
@@ -179,6 +186,14 @@ class InfiniGenSelector(Selector):
 
     def describe(self) -> dict:
         out = super().describe()
+        if self.spread_choice is not None:
+            out["allocation_chosen_by"] = {
+                "rule": "auto: the smaller KL from dense as a multiple of the oracle's, on held-out text",
+                "kl_ratio": {k: round(v, 4) for k, v in self.spread_choice.kl_ratio.items()},
+                "context": self.spread_choice.context,
+                "scored_tokens": self.spread_choice.scored,
+                "windows": self.spread_choice.windows,
+            }
         if self.layer_budgets:
             out["layer_budgets"] = {str(i): round(b, 5) for i, b in sorted(self.layer_budgets.items())}
         if self.layer_corrections:

@@ -127,6 +127,7 @@ def obtain_artifact(
             art = SkewArtifact.load(path)
             art.verify(fingerprint, ratio, skewed, adapter.num_layers, path, **needs)
             check_calibration_source(art, path, tokenizer_given=tokenizer is not None)
+            art.origin = path
             return art
         except SkewArtifactError as exc:
             warnings.warn(
@@ -141,6 +142,7 @@ def obtain_artifact(
     art = calibrate(model, adapter, ids, ratio, skewed, fingerprint, progress, source=source)
     try:
         art.save(path)
+        art.origin = path
     except OSError as exc:
         warnings.warn(
             f"could not save the skew artifact to {path} ({exc.strerror or exc}); it will be recomputed next time",

@@ -56,13 +56,19 @@ def calibration_text() -> str:
 def calibration_code() -> str:
     """Python source of `CALIBRATION_CODE_PACKAGES` from this interpreter's standard library,
     files in name order, about `_CODE_CHARS` characters ("" where those packages are absent)."""
+    return stdlib_source(CALIBRATION_CODE_PACKAGES, _CODE_CHARS)
+
+
+def stdlib_source(packages: tuple[str, ...], chars: int) -> str:
+    """The `*.py` files directly in `packages` of this interpreter's standard library, in name
+    order, until about `chars` characters ("" where none is found)."""
     folder = Path(sysconfig.get_paths()["stdlib"])
     parts: list[str] = []
     size = 0
-    for package in CALIBRATION_CODE_PACKAGES:
+    for package in packages:
         for path in sorted((folder / package).glob("*.py")):
-            if size >= _CODE_CHARS:
-                break
+            if size >= chars:
+                return "".join(parts)
             try:
                 text = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):

@@ -1,0 +1,126 @@
+"""allocation "auto": the budget's spread chosen per model by a measurement, stored in the skew
+artifact under its settings, and used exactly as the explicit spread it names."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from infinigen import InfiniGenConfig, SkewArtifact, attach
+from infinigen.config import SpeculationKnobs
+from infinigen.eval.evaluator import Evaluator
+from infinigen.eval.metrics import kl_divergence
+from infinigen.eval.spread_choice import SCORED, held_out_ids
+from infinigen.models import get_adapter
+from infinigen.select import make_selector
+from infinigen.skew import calibrate, synthetic_calibration_ids
+from infinigen.spread import SPREADS, SpreadChoice, resolve_allocation, settings_key, stored_choice
+
+BASE = dict(budget=0.25, calibration_tokens=128)
+
+
+def test_the_default_is_auto_and_its_key_follows_the_settings_it_depends_on():
+    cfg = InfiniGenConfig(**BASE)
+    assert InfiniGenConfig().allocation == "auto"
+    assert settings_key(cfg) == settings_key(cfg.replace(allocation="calibrated"))  # the choice itself
+    assert settings_key(cfg) == settings_key(cfg.replace(kv_dtype="float16"))  # rounding, not positions
+    for change in (dict(budget=0.1), dict(correction=0.02), dict(speculate_from="previous"), dict(dense_layers=1)):
+        assert settings_key(cfg) != settings_key(cfg.replace(**change)), change
+
+
+def test_auto_is_measured_once_stored_in_the_cached_artifact_and_equals_the_spread_it_names(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama")
+    cfg = InfiniGenConfig(**BASE)
+    with attach(model, cfg, progress=False) as session:
+        auto = session.selector_for(cfg)
+        choice = stored_choice(session.artifact, cfg)
+        assert choice is not None and choice.choice in SPREADS and set(choice.kl_ratio) == set(SPREADS)
+        assert choice.choice == min(SPREADS, key=lambda s: (choice.kl_ratio[s], SPREADS.index(s)))
+        named = session.selector_for(cfg.replace(allocation=choice.choice))
+        assert auto.knobs.allocation == choice.choice
+        assert auto.layer_budgets == named.layer_budgets and auto.layer_corrections == named.layer_corrections
+        assert auto.describe()["allocation_chosen_by"]["kl_ratio"] == {
+            k: round(v, 4) for k, v in choice.kl_ratio.items()
+        }
+    (path,) = (tmp_path / "skew").glob("*.safetensors")
+    assert stored_choice(SkewArtifact.load(path), cfg) == choice  # saved with the cached artifact
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(sys.modules["infinigen.attach"], "measure_spread", must_not_measure)
+    with attach(model, cfg, progress=False) as session:
+        assert session.selector_for(cfg).knobs.allocation == choice.choice
+    with attach(model, cfg, progress=False) as session, pytest.raises(AssertionError, match="measured again"):
+        session.selector_for(cfg.replace(budget=0.5))  # other settings: a measurement of their own
+
+
+def test_the_measurement_is_the_kl_of_each_spread_over_the_oracles(monkeypatch, tmp_path):
+    """The stored ratios equal KL(dense, spread) / KL(dense, oracle) computed by the evaluator on
+    the same held-out window."""
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    model = tiny_model("qwen2")
+    cfg = InfiniGenConfig(**BASE)
+    with attach(model, cfg, progress=False) as session:
+        session.selector_for(cfg)
+        choice = stored_choice(session.artifact, cfg)
+    assert (choice.context, choice.windows) == (128, 1)
+    (ids,) = held_out_ids(None, model.config.vocab_size, choice.context)
+    t0 = ids.shape[0] - choice.scored
+    assert choice.scored == min(SCORED, choice.context // 4)
+    with Evaluator(model) as ev:
+        prefix = ev.prefill(ids[:t0][None])
+        chunk = ids[t0:][None]
+        dense = ev.run(prefix, chunk, InfiniGenConfig(policy="dense")).logits[0]
+        oracle = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(policy="oracle")).logits[0])
+        for name in SPREADS:
+            kl = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(allocation=name)).logits[0])
+            assert choice.kl_ratio[name] == pytest.approx(kl / oracle, rel=1e-4)
+    assert oracle > 0
+
+
+def test_a_given_artifact_file_is_never_rewritten(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model("llama")
+    cfg = InfiniGenConfig(**BASE)
+    with attach(model, cfg.replace(allocation="uniform"), progress=False) as session:
+        art = session.artifact
+    given = tmp_path / "given.safetensors"
+    art.save(given)
+    before = given.read_bytes()
+    with attach(model, cfg, skew=given, progress=False) as session:
+        assert session.selector_for(cfg).knobs.allocation in SPREADS
+        assert stored_choice(session.artifact, cfg) is not None  # in memory
+    assert given.read_bytes() == before
+
+
+def test_auto_without_a_measurement_says_how_to_get_one_and_a_whole_budget_needs_none():
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    art = calibrate(model, adapter, synthetic_calibration_ids(96, 64), 0.75, True, progress=False)
+    with pytest.raises(ValueError, match="allocation 'auto'.*attach the model.*uniform, calibrated"):
+        make_selector(InfiniGenConfig(budget=0.25), adapter, art)
+    whole = InfiniGenConfig(budget=1.0)
+    assert resolve_allocation(whole.knobs(SpeculationKnobs), art, whole).allocation == "uniform"
+    art.meta[settings_key(InfiniGenConfig(budget=0.25))] = SpreadChoice(
+        "calibrated", {"uniform": 2.0, "calibrated": 1.0}, 64, 16, 1
+    ).to_json()
+    assert make_selector(InfiniGenConfig(budget=0.25), adapter, art).knobs.allocation == "calibrated"
+    art.meta[settings_key(InfiniGenConfig(budget=0.25))] = "not json"
+    assert stored_choice(art, InfiniGenConfig(budget=0.25)) is None  # unreadable: measured again
+
+
+def test_the_skew_command_stores_the_defaults_spread(tmp_path, tiny_model_dir, capsys):
+    from infinigen.cli import main
+
+    out_file = tmp_path / "a.safetensors"
+    args = ["skew", "--model", str(tiny_model_dir), "--quiet", "--calibration-tokens", "64", "--output", str(out_file)]
+    assert main(args) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("budget spread")]
+    choice = stored_choice(SkewArtifact.load(out_file), InfiniGenConfig(calibration_tokens=64, kv_dtype="float16"))
+    assert choice is not None and line and f": {choice.choice};" in line[0] and "2 windows of 64 tokens" in line[0]
+    assert torch.isfinite(torch.tensor(list(choice.kl_ratio.values()))).all()
