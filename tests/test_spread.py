@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from infinigen import InfiniGenConfig, SkewArtifact, attach
+from infinigen import ConfigError, InfiniGenConfig, SkewArtifact, attach
 from infinigen.config import SpeculationKnobs
 from infinigen.eval.evaluator import Evaluator
 from infinigen.eval.metrics import kl_divergence
@@ -25,6 +25,8 @@ BASE = dict(budget=0.25, calibration_tokens=128)
 def test_the_default_is_auto_and_its_key_follows_the_settings_it_depends_on():
     cfg = InfiniGenConfig(**BASE)
     assert InfiniGenConfig().allocation == "auto"
+    with pytest.raises(ConfigError, match="channel_allocation"):
+        InfiniGenConfig(channel_allocation="auto")  # only the budget's spread is measured
     assert settings_key(cfg) == settings_key(cfg.replace(allocation="calibrated"))  # the choice itself
     assert settings_key(cfg) == settings_key(cfg.replace(kv_dtype="float16"))  # rounding, not positions
     for change in (dict(budget=0.1), dict(correction=0.02), dict(speculate_from="previous"), dict(dense_layers=1)):
