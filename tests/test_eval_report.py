@@ -106,3 +106,25 @@ def test_layer_table_ranks_layers_by_gap_to_the_oracle():
     lines = [ln for ln in table.splitlines() if ln.startswith("| 2 ") or ln.startswith("| 3 ")]
     assert lines[0].startswith("| 2 | 0.600 | 0.900 | -0.300 | h0 0.50, h1 0.70")
     assert lines[1].startswith("| 3 ")
+
+
+def test_the_variants_suite_runs_every_window_and_reports_their_mean(tmp_path, tiny_model_dir):
+    """`--windows` applies to the variants suite as to ppl: one row per window, and the table's
+    figures are the windows' mean."""
+    import json
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "out"
+    argv = ["eval", "--model", str(tiny_model_dir), "--quiet", "--suite", "variants", "--text-file", str(text)]
+    argv += ["--contexts", "96", "--score-tokens", "16", "--windows", "2", "--variant-budget", "0.25"]
+    argv += ["--variant", "u:policy=infinigen allocation=uniform calibration_tokens=64", "--out", str(out)]
+    assert main(argv) == 0
+    rows = json.loads((out / "eval.json").read_text())["rows"]
+    by = {(r["policy"], r["window"]): r for r in rows}
+    assert set(by) == {(p, w) for p in ("dense", "oracle", "u") for w in (0, 1)}
+    md = (out / "eval.md").read_text()
+    assert "(mean over 2 windows)" in md
+    mean_ppl = (by[("u", 0)]["ppl"] + by[("u", 1)]["ppl"]) / 2
+    line = next(x for x in md.splitlines() if x.startswith("| u |"))
+    assert f"| {mean_ppl:.2f} |" in line

@@ -121,25 +121,44 @@ def sensitivity_table(rows: list[dict]) -> str:
 
 
 def variants_table(rows: list[dict]) -> str:
+    """Per text and context, each variant's mean over the windows (`--windows`), next to dense
+    and the oracle at the same budget."""
     rs = [r for r in rows if r["suite"] == "variants"]
     if not rs:
         return ""
     out = []
     for ds, ctx in dict.fromkeys((r["dataset"], r["context"]) for r in rs):
         g = [r for r in rs if r["dataset"] == ds and r["context"] == ctx]
-        dense = next((r["ppl"] for r in g if r["policy"] == "dense"), None)
-        oracle = next((r["ppl"] for r in g if r["policy"] == "oracle"), None)
-        out.append(f"\n### {ds}, {ctx} tokens, budget {next(r['budget'] for r in g if r['budget']):.0%}\n")
-        out.append("| variant | positions fetched | ppl | Δppl vs dense | x oracle's Δppl | top-1 agr. | KL | recall |")
-        out.append("|---|---|---|---|---|---|---|---|")
+        by: dict[str, list[dict]] = defaultdict(list)
         for r in g:
-            delta = None if dense is None else (r["ppl"] / dense - 1) * 100
-            ratio = None
-            if dense is not None and oracle is not None and oracle != dense and r["policy"] != "dense":
-                ratio = (r["ppl"] - dense) / (oracle - dense)
+            by[r["policy"]].append(r)
+        mean = {p: {k: _mean([r.get(k) for r in v]) for k in ("ppl", "kl")} for p, v in by.items()}
+        dense = mean.get("dense", {}).get("ppl")
+        oracle = mean.get("oracle", {})
+        windows = len({r.get("window", 0) for r in g})
+        out.append(
+            f"\n### {ds}, {ctx} tokens, budget {next(r['budget'] for r in g if r['budget']):.0%}"
+            + (f" (mean over {windows} windows)" if windows > 1 else "")
+            + "\n"
+        )
+        out.append(
+            "| variant | positions fetched | ppl | Δppl vs dense | x oracle's Δppl | top-1 agr. | KL | x oracle's KL "
+            "| recall |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for p, v in by.items():
+            ppl_v, kl_v = mean[p]["ppl"], mean[p]["kl"]
+            delta = None if dense is None else (ppl_v / dense - 1) * 100
+            ratio = kl_ratio = None
+            if p != "dense":
+                if dense is not None and oracle.get("ppl") not in (None, dense):
+                    ratio = (ppl_v - dense) / (oracle["ppl"] - dense)
+                if kl_v is not None and oracle.get("kl"):
+                    kl_ratio = kl_v / oracle["kl"]
             out.append(
-                f"| {r['policy']} | {_f(r['fetched_fraction'], '.1%')} | {_f(r['ppl'], '.2f')} | {_f(delta, '+.1f')}% "
-                f"| {_f(ratio, '.2f')} | {_f(r.get('top1_agreement'))} | {_f(r.get('kl'))} | {_f(r.get('recall'))} |"
+                f"| {p} | {_f(_mean([r['fetched_fraction'] for r in v]), '.1%')} | {_f(ppl_v, '.2f')} "
+                f"| {_f(delta, '+.1f')}% | {_f(ratio, '.2f')} | {_f(_mean([r.get('top1_agreement') for r in v]))} "
+                f"| {_f(kl_v)} | {_f(kl_ratio, '.2f')} | {_f(_mean([r.get('recall') for r in v]))} |"
             )
     return "\n".join(out)
 

@@ -333,7 +333,6 @@ class EvalRunner:
         contexts = st.contexts if st.variants is not None else (st.sensitivity_context,)
         for ds in st.datasets:
             for ctx in contexts:
-                ids = torch.tensor(text_windows(self.tokenizer, ds, ctx, 1)[0])
                 runs = [("dense", None, InfiniGenConfig(policy="dense"))]
                 runs += [("oracle", b, InfiniGenConfig(policy="oracle", budget=b, kv_dtype=st.kv_dtype))]
                 runs += [(name, kw.get("budget", b), InfiniGenConfig(**{**common, **kw})) for name, kw in variants]
@@ -342,10 +341,11 @@ class EvalRunner:
                     for page in (4, 1):
                         cfg = InfiniGenConfig(policy="quest", budget=b, page_tokens=page, kv_dtype=st.kv_dtype)
                         runs.append((f"quest page_tokens={page}", b, cfg))
-                for row in self.ppl_window(ids, runs):
-                    rows.append({"suite": "variants", "dataset": ds, "context": ctx, **row})
-                if bar is not None:
-                    bar.update(1)
+                for w, win in enumerate(text_windows(self.tokenizer, ds, ctx, st.windows)):
+                    for row in self.ppl_window(torch.tensor(win), runs):
+                        rows.append({"suite": "variants", "dataset": ds, "context": ctx, "window": w, **row})
+                    if bar is not None:
+                        bar.update(1)
         return rows
 
     def run(self, suites: tuple[str, ...], on_suite=None) -> list[dict]:
@@ -360,7 +360,7 @@ class EvalRunner:
         if "sensitivity" in suites:
             work += len(st.alphas) + len(st.ratios) + 1
         if "variants" in suites:
-            work += len(st.datasets) * (len(st.contexts) if st.variants is not None else 1)
+            work += len(st.datasets) * (len(st.contexts) if st.variants is not None else 1) * st.windows
         if "ruler" in suites:
             from infinigen.eval.ruler import TASKS
 
