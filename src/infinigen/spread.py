@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from infinigen.config import ALLOCATIONS, InfiniGenConfig, SpeculationKnobs
 
@@ -43,26 +43,14 @@ class SpreadChoice:
     windows: int
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "choice": self.choice,
-                "kl_ratio": self.kl_ratio,
-                "context": self.context,
-                "scored": self.scored,
-                "windows": self.windows,
-            },
-            sort_keys=True,
-        )
+        return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> SpreadChoice:
-        data = json.loads(text)
-        if data.get("choice") not in SPREADS:
-            raise ValueError(f"unknown spread {data.get('choice')!r}")
-        return cls(
-            data["choice"], {k: float(v) for k, v in data["kl_ratio"].items()}, data["context"], data["scored"],
-            data["windows"],
-        )  # fmt: skip
+        choice = cls(**json.loads(text))
+        if choice.choice not in SPREADS:
+            raise ValueError(f"unknown spread {choice.choice!r}")
+        return choice
 
 
 def settings_key(config: InfiniGenConfig) -> str:
@@ -100,7 +88,7 @@ def resolve_allocation(knobs: SpeculationKnobs, artifact, config: InfiniGenConfi
     (uniform where the budget is the whole context). Raises if it has not been measured."""
     if knobs.allocation != "auto":
         return knobs
-    if knobs.budget is not None and knobs.budget >= 1.0:
+    if not needs_measuring(config):
         return replace(knobs, allocation=SPREADS[0])
     choice = stored_choice(artifact, config)
     if choice is None:

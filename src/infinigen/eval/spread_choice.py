@@ -79,7 +79,7 @@ def measure(session, config: InfiniGenConfig, progress: bool = True) -> SpreadCh
             bar.update(1)
     bar.close()
     mean = {name: sum(v) / len(v) for name, v in ratios.items()}
-    best = min(SPREADS, key=lambda name: (mean[name], SPREADS.index(name)))
+    best = min(SPREADS, key=mean.__getitem__)  # the first of equals: uniform
     if any(math.isnan(v) for v in mean.values()):
         best = SPREADS[0]
     return SpreadChoice(best, mean, length, scored, len(windows))
