@@ -123,7 +123,7 @@ def test_uniform_is_the_artifacts_channels_with_or_without_the_tables(tmp_path):
     before the tables existed, and an artifact without them decodes the same."""
     model, d = _known_model()
     adapter = get_adapter(model)
-    cfg = InfiniGenConfig(budget=0.25, calibration_tokens=64, allocation="uniform")
+    cfg = InfiniGenConfig(budget=0.25, calibration_tokens=64, allocation="uniform", correction_target=1.5)
     art = calibrate(model, adapter, synthetic_calibration_ids(96, 64), cfg.partial_ratio, True, progress=False)
     assert cfg.channel_allocation == "uniform"
     selector = make_selector(cfg, adapter, art)

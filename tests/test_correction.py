@@ -164,7 +164,7 @@ def test_the_chosen_correction_decodes_as_the_same_split_set_by_hand(tmp_path):
     row = [10.0] * (n_s - 1) + [1.0]  # only half the budget as a top-up brings it within
     _rigged(art, row, [2, 3]).save(tmp_path / "rigged.safetensors")
     ids = torch.randint(3, VOCAB, (1, 48), generator=torch.Generator().manual_seed(3))
-    base = dict(budget=0.25, allocation="uniform", calibration_tokens=64)
+    base = dict(budget=0.25, allocation="uniform", correction_target=1.5, calibration_tokens=64)
     runs = []
     for cfg in (InfiniGenConfig(**base), InfiniGenConfig(**{**base, "budget": 0.125}, correction=0.125)):
         with attach(model, cfg, skew=tmp_path / "rigged.safetensors", progress=False) as session:
@@ -228,8 +228,8 @@ def test_the_skew_command_reports_the_layers_it_corrects(tmp_path, tiny_model_di
     out_file = tmp_path / "a.safetensors"
     args = ["skew", "--model", str(tiny_model_dir), "--quiet", "--calibration-tokens", "64", "--output", str(out_file)]
     assert main(args) == 0
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("correction")]
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("correction at")]
     assert line and "10% budget (chosen per layer: above 1.5x the oracle's output error)" in line[0]
     assert main([*args, "--correction", "0.02", "--budget", "0.2"]) == 0
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("correction")]
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("correction at")]
     assert line and "20% budget (0.02 everywhere)" in line[0] and "2: 2.0%" in line[0]

@@ -192,7 +192,8 @@ def test_summary_reports_each_layers_budget_and_what_it_fetched():
     assert len(budgets) == model.config.num_hidden_layers - cfg.dense_layers
     assert sum(budgets) / len(budgets) == pytest.approx(0.25, rel=1e-6)
     for p in layers:
-        assert p["fetched_fraction"] <= p["budget"] + 1 / 40 + 1e-9  # ceil of budget x context
+        rounded = 2 if p.get("correction") else 1  # a ceil per transfer: the speculated part, the top-up
+        assert p["fetched_fraction"] <= p["budget"] + rounded / 40 + 1e-9
         assert p["fetched_fraction"] >= p["budget"] - 1e-9
 
 

@@ -114,8 +114,14 @@ def test_fitted_speculation_uses_the_maps_and_changes_the_selection():
     model = tiny_model("llama")
     adapter = get_adapter(model)
     art = calibrate(model, adapter, synthetic_calibration_ids(VOCAB, 64), R, True, progress=False)
-    fitted = make_selector(InfiniGenConfig(budget=0.25, allocation="uniform", speculate_from="fitted"), adapter, art)
-    plain = make_selector(InfiniGenConfig(budget=0.25, allocation="uniform", speculate_from="previous"), adapter, art)
+    fitted = make_selector(
+        InfiniGenConfig(budget=0.25, allocation="uniform", correction_target=1.5, speculate_from="fitted"), adapter, art
+    )
+    plain = make_selector(
+        InfiniGenConfig(budget=0.25, allocation="uniform", correction_target=1.5, speculate_from="previous"),
+        adapter,
+        art,
+    )
     assert InfiniGenConfig().speculate_from == "fitted"  # the default
     assert fitted.query_from == plain.query_from == "previous"
     assert sorted(fitted.query_maps) == [2, 3] and not plain.query_maps

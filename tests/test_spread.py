@@ -1,8 +1,9 @@
-"""allocation "auto": the budget's spread chosen per model by a measurement, stored in the skew
-artifact under its settings, and used exactly as the explicit spread it names."""
+"""allocation "auto" and the unset correction target: chosen per model by a measurement, stored in
+the skew artifact under its settings, and used exactly as the explicit settings they name."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -17,7 +18,16 @@ from infinigen.eval.spread_choice import SCORED, held_out_ids
 from infinigen.models import get_adapter
 from infinigen.select import make_selector
 from infinigen.skew import calibrate, synthetic_calibration_ids
-from infinigen.spread import SPREADS, SpreadChoice, resolve_allocation, settings_key, stored_choice
+from infinigen.spread import (
+    SPREADS,
+    TARGETS,
+    SpreadChoice,
+    choose_target,
+    needs_measuring,
+    resolve_measured,
+    settings_key,
+    stored_choice,
+)
 
 BASE = dict(budget=0.25, calibration_tokens=128)
 
@@ -27,10 +37,39 @@ def test_the_default_is_auto_and_its_key_follows_the_settings_it_depends_on():
     assert InfiniGenConfig().allocation == "auto"
     with pytest.raises(ConfigError, match="channel_allocation"):
         InfiniGenConfig(channel_allocation="auto")  # only the budget's spread is measured
-    assert settings_key(cfg) == settings_key(cfg.replace(allocation="calibrated"))  # the choice itself
+    assert InfiniGenConfig().correction_target is None  # chosen with it
     assert settings_key(cfg) == settings_key(cfg.replace(kv_dtype="float16"))  # rounding, not positions
-    for change in (dict(budget=0.1), dict(correction=0.02), dict(speculate_from="previous"), dict(dense_layers=1)):
+    changes = (
+        dict(budget=0.1),
+        dict(correction=0.02),
+        dict(speculate_from="previous"),
+        dict(dense_layers=1),
+        dict(allocation="calibrated"),  # an explicit spread's target is measured apart
+        dict(correction_target=1.25),
+    )
+    for change in changes:
         assert settings_key(cfg) != settings_key(cfg.replace(**change)), change
+
+
+def test_what_needs_measuring():
+    cfg = InfiniGenConfig(**BASE)
+    assert needs_measuring(cfg)
+    assert needs_measuring(cfg.replace(allocation="uniform"))  # the target is still left
+    assert needs_measuring(cfg.replace(correction_target=1.5))  # the spread is still left
+    assert not needs_measuring(cfg.replace(allocation="uniform", correction_target=1.5))
+    assert not needs_measuring(cfg.replace(allocation="uniform", correction=0.02))  # no target to choose
+    assert not needs_measuring(cfg.replace(allocation="uniform", speculate_from="own"))  # nothing to correct
+    assert not needs_measuring(cfg.replace(budget=1.0))
+    assert not needs_measuring(cfg.replace(policy="oracle"))
+
+
+def test_the_target_is_the_least_correction_within_the_aim(monkeypatch):
+    monkeypatch.setattr(sys.modules["infinigen.spread"], "KL_AIM", 1.2)
+    assert choose_target({1.5: 1.1}) == 1.5
+    assert choose_target({1.5: 1.3, 1.25: 1.19, 1.1: 1.0}) == 1.25  # the first within, not the least
+    assert choose_target({1.5: 1.4, 1.25: 1.3, 1.1: 1.25}) == 1.1  # none within: the least KL
+    assert choose_target({1.5: 1.4, 1.25: 1.3, 1.1: 1.3}) == 1.25  # equals: the least correction
+    assert choose_target({1.5: 1.4, 1.25: float("nan"), 1.1: 1.5}) == 1.5
 
 
 def test_auto_is_measured_once_stored_in_the_cached_artifact_and_equals_the_spread_it_names(monkeypatch, tmp_path):
@@ -42,8 +81,9 @@ def test_auto_is_measured_once_stored_in_the_cached_artifact_and_equals_the_spre
         choice = stored_choice(session.artifact, cfg)
         assert choice is not None and choice.choice in SPREADS and set(choice.kl_ratio) == set(SPREADS)
         assert choice.choice == min(SPREADS, key=lambda s: (choice.kl_ratio[s], SPREADS.index(s)))
-        named = session.selector_for(cfg.replace(allocation=choice.choice))
-        assert auto.knobs.allocation == choice.choice
+        assert choice.correction_target in TARGETS and str(TARGETS[0]) in choice.target_kl_ratio
+        named = session.selector_for(cfg.replace(allocation=choice.choice, correction_target=choice.correction_target))
+        assert auto.knobs.allocation == choice.choice and auto.knobs.correction_target == choice.correction_target
         assert auto.layer_budgets == named.layer_budgets and auto.layer_corrections == named.layer_corrections
         assert auto.describe()["allocation_chosen_by"]["kl_ratio"] == {
             k: round(v, 4) for k, v in choice.kl_ratio.items()
@@ -57,6 +97,7 @@ def test_auto_is_measured_once_stored_in_the_cached_artifact_and_equals_the_spre
     monkeypatch.setattr(sys.modules["infinigen.attach"], "measure_spread", must_not_measure)
     with attach(model, cfg, progress=False) as session:
         assert session.selector_for(cfg).knobs.allocation == choice.choice
+        session.selector_for(cfg.replace(allocation="uniform", correction_target=1.25))  # nothing left to measure
     with attach(model, cfg, progress=False) as session, pytest.raises(AssertionError, match="measured again"):
         session.selector_for(cfg.replace(budget=0.5))  # other settings: a measurement of their own
 
@@ -80,9 +121,51 @@ def test_the_measurement_is_the_kl_of_each_spread_over_the_oracles(monkeypatch, 
         dense = ev.run(prefix, chunk, InfiniGenConfig(policy="dense")).logits[0]
         oracle = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(policy="oracle")).logits[0])
         for name in SPREADS:
-            kl = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(allocation=name)).logits[0])
+            explicit = cfg.replace(allocation=name, correction_target=TARGETS[0])  # the spread, least correction
+            kl = kl_divergence(dense, ev.run(prefix, chunk, explicit).logits[0])
             assert choice.kl_ratio[name] == pytest.approx(kl / oracle, rel=1e-4)
     assert oracle > 0
+
+
+@pytest.mark.parametrize("aim", [0.0, math.inf])
+def test_stricter_targets_are_run_only_where_the_least_correction_misses_the_aim(monkeypatch, tmp_path, aim):
+    """With an aim nothing meets, every target is measured (each equal to the evaluator's KL
+    ratio, targets of equal top-ups run once) and the least KL kept; with an aim everything
+    meets, only the least correction runs."""
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sys.modules["infinigen.eval.spread_choice"], "KL_AIM", aim)
+    monkeypatch.setattr(sys.modules["infinigen.spread"], "KL_AIM", aim)
+    model = tiny_model("llama")
+    cfg = InfiniGenConfig(**BASE, allocation="uniform")
+    runs = []
+    runner = sys.modules["infinigen.eval.spread_choice"].ForcedRunner
+    original = runner.run
+    monkeypatch.setattr(runner, "run", lambda self, *a, **k: runs.append(a[-1]) or original(self, *a, **k))
+    with attach(model, cfg, progress=False) as session:
+        session.selector_for(cfg)
+        choice = stored_choice(session.artifact, cfg)
+        top_ups = {
+            t: tuple(session.selector_for(cfg.replace(correction_target=t)).layer_corrections.items()) for t in TARGETS
+        }
+    assert choice.choice == "uniform" and set(choice.kl_ratio) == {"uniform"}
+    if aim == math.inf:
+        assert choice.correction_target == TARGETS[0] and list(choice.target_kl_ratio) == [f"{TARGETS[0]:g}"]
+        assert len(runs) == 3  # dense, oracle, the least correction
+        return
+    assert set(choice.target_kl_ratio) == {f"{t:g}" for t in TARGETS}
+    ratios = {t: choice.target_kl_ratio[f"{t:g}"] for t in TARGETS}
+    assert choice.correction_target == min(TARGETS, key=lambda t: (ratios[t], TARGETS.index(t)))
+    assert len(runs) == 2 + len(set(top_ups.values()))  # equal top-ups: one run
+    (ids,) = held_out_ids(None, model.config.vocab_size, choice.context)
+    t0 = ids.shape[0] - choice.scored
+    with Evaluator(model) as ev:
+        prefix = ev.prefill(ids[:t0][None])
+        chunk = ids[t0:][None]
+        dense = ev.run(prefix, chunk, InfiniGenConfig(policy="dense")).logits[0]
+        oracle = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(policy="oracle")).logits[0])
+        for t in TARGETS:
+            kl = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(correction_target=t)).logits[0])
+            assert ratios[t] == pytest.approx(kl / oracle, rel=1e-4)
 
 
 def test_a_given_artifact_file_is_never_rewritten(monkeypatch, tmp_path):
@@ -104,14 +187,16 @@ def test_auto_without_a_measurement_says_how_to_get_one_and_a_whole_budget_needs
     model = tiny_model("llama")
     adapter = get_adapter(model)
     art = calibrate(model, adapter, synthetic_calibration_ids(96, 64), 0.75, True, progress=False)
-    with pytest.raises(ValueError, match="allocation 'auto'.*attach the model.*uniform, calibrated"):
+    with pytest.raises(ValueError, match="allocation 'auto'.*attach the model.*uniform, calibrated.*correction_target"):
         make_selector(InfiniGenConfig(budget=0.25), adapter, art)
     whole = InfiniGenConfig(budget=1.0)
-    assert resolve_allocation(whole.knobs(SpeculationKnobs), art, whole).allocation == "uniform"
+    resolved = resolve_measured(whole.knobs(SpeculationKnobs), art, whole)
+    assert (resolved.allocation, resolved.correction_target) == ("uniform", TARGETS[0])
     art.meta[settings_key(InfiniGenConfig(budget=0.25))] = SpreadChoice(
-        "calibrated", {"uniform": 2.0, "calibrated": 1.0}, 64, 16, 1
+        "calibrated", {"uniform": 2.0, "calibrated": 1.0}, 64, 16, 1, 1.25, {"1.5": 1.3, "1.25": 1.1}
     ).to_json()
-    assert make_selector(InfiniGenConfig(budget=0.25), adapter, art).knobs.allocation == "calibrated"
+    knobs = make_selector(InfiniGenConfig(budget=0.25), adapter, art).knobs
+    assert (knobs.allocation, knobs.correction_target) == ("calibrated", 1.25)
     art.meta[settings_key(InfiniGenConfig(budget=0.25))] = "not json"
     assert stored_choice(art, InfiniGenConfig(budget=0.25)) is None  # unreadable: measured again
 
@@ -122,7 +207,10 @@ def test_the_skew_command_stores_the_defaults_spread(tmp_path, tiny_model_dir, c
     out_file = tmp_path / "a.safetensors"
     args = ["skew", "--model", str(tiny_model_dir), "--quiet", "--calibration-tokens", "64", "--output", str(out_file)]
     assert main(args) == 0
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("budget spread")]
+    out = capsys.readouterr().out.splitlines()
+    line = [x for x in out if x.startswith("budget spread")]
     choice = stored_choice(SkewArtifact.load(out_file), InfiniGenConfig(calibration_tokens=64, kv_dtype="float16"))
     assert choice is not None and line and f": {choice.choice};" in line[0] and "2 windows of 64 tokens" in line[0]
     assert torch.isfinite(torch.tensor(list(choice.kl_ratio.values()))).all()
+    target = [x for x in out if x.startswith("correction target")]
+    assert choice.correction_target in TARGETS and target and f": {choice.correction_target:g};" in target[0]

@@ -25,13 +25,14 @@ from infinigen.config import (
     POLICIES,
     ConfigError,
     InfiniGenConfig,
+    SpeculationKnobs,
     add_arguments,
     from_arguments,
     parse_setting,
     setting_fields,
 )
 from infinigen.errors import InfiniGenError, InputError
-from infinigen.spread import needs_measuring, stored_choice
+from infinigen.spread import KL_AIM, needs_measuring, resolve_measured, stored_choice
 
 DEMO_PROMPT = "areopagitica_opening.txt"
 DEMO_PROMPT_TOKENS = 8000  # near SmolLM2's 8192 positions: the long context the method is for
@@ -252,6 +253,12 @@ def cmd_skew(args: argparse.Namespace) -> int:
             f"budget spread (allocation auto, budget {config.resolved_budget:g}): {choice.choice}; KL as a multiple "
             f"of the oracle's on held-out text: {measured} ({choice.windows} windows of {choice.context} tokens)"
         )
+        if choice.correction_target is not None:
+            measured = ", ".join(f"{t} {ratio:.2f}" for t, ratio in choice.target_kl_ratio.items())
+            print(
+                f"correction target (left unset): {choice.correction_target:g}; KL as a multiple of the oracle's "
+                f"on the same text, by target: {measured} (the least correction within {KL_AIM:g}x is kept)"
+            )
     # Report the query mass held by the partial channels, skewed vs not, on held-out text: the
     # essay's opening (the default calibrates on its end), or the first half of the user's text.
     held_text = text[: len(text) // 2] if text is not None else None
@@ -281,8 +288,9 @@ def _correction_report(config: InfiniGenConfig, adapter, artifact) -> str:
     from infinigen.select import corrections_chosen
 
     chosen = corrections_chosen(config, adapter, artifact)
+    target = resolve_measured(config.knobs(SpeculationKnobs), artifact, config).correction_target
     how = (
-        f"chosen per layer: above {config.correction_target:g}x the oracle's output error"
+        f"chosen per layer: above {target:g}x the oracle's output error"
         if config.correction is None
         else f"{config.correction:g} everywhere"
     )

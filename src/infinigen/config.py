@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from infinigen.errors import InfiniGenError
-from infinigen.speculate import CORRECTION_ERROR_RATIO
+from infinigen.speculate import CORRECTION_TARGETS, KL_AIM
 from infinigen.storage import COPY_ENGINES, check_combination
 
 
@@ -194,10 +194,12 @@ class SpeculationKnobs(SelectionBudget):
         "correction_target times the oracle's, the least top-up that brings it within",
         fraction(low_open=False),
     )
-    correction_target: float = knob(
-        CORRECTION_ERROR_RATIO,
+    correction_target: float | None = knob(
+        None,
         "with correction none: the multiple of the oracle's attention-output error (measured per layer at "
-        "calibration) above which a layer's speculation is corrected",
+        "calibration) above which a layer's speculation is corrected. Default: chosen per model with the spread, "
+        f"by measurement on held-out text: the largest of {', '.join(f'{t:g}' for t in CORRECTION_TARGETS)} whose "
+        f"KL from dense is within {KL_AIM:g}x the oracle's, else the one of least KL (`infinigen.spread`)",
         at_least(1),
     )
     speculate_from: str = knob(

@@ -1,6 +1,6 @@
-"""The measurement that chooses the budget's spread for allocation "auto" (`infinigen.spread`):
-each spread teacher-forced on held-out text through the session that asks, against dense and the
-oracle at the same budget."""
+"""The measurement that chooses the budget's spread (allocation "auto") and the correction target
+(left unset) per model (`infinigen.spread`): each candidate teacher-forced on held-out text
+through the session that asks, against dense and the oracle at the same budget."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from infinigen.eval.forced import ForcedRunner
 from infinigen.eval.metrics import kl_divergence
 from infinigen.skew import calibration_length, calibration_text
 from infinigen.skew.calibrate import stdlib_source
-from infinigen.spread import SPREADS, SpreadChoice
+from infinigen.spread import KL_AIM, SPREADS, TARGETS, SpreadChoice, choose_target, target_left
 
-CONTEXT = 4096  # tokens per held-out window (at most the calibration length)
+# Each held-out window is as long as the calibration (the model's context, at most 8192 tokens by
+# default): the length the skew is fitted for. Shorter windows understate the loss at it (Gemma-3-270m,
+# the same settings: 1.24x the oracle's KL at 4096 tokens, 1.37x at 8192).
 SCORED = 128  # teacher-forced positions scored per window
 # Standard-library packages the calibration (json, email, asyncio) and the `code` evaluation
 # genre (top-level modules) do not read: the held-out source code.
@@ -49,37 +51,93 @@ def held_out_code() -> str:
     return stdlib_source(HELD_OUT_CODE_PACKAGES, _CODE_CHARS)
 
 
+class _HeldOut:
+    """The held-out windows of one measurement, each with dense's logits and the oracle's KL,
+    computed once: candidates are scored against them, a window's prefill redone per batch of
+    candidates (the prefilled cache is not kept between batches: at 8K it is gigabytes)."""
+
+    def __init__(self, session, windows: list[torch.Tensor], scored: int, oracle: InfiniGenConfig, bar) -> None:
+        self.runner = ForcedRunner(session.model, session)
+        self.windows, self.scored, self.oracle, self.bar = windows, scored, oracle, bar
+        self.dense: list[torch.Tensor] = []
+        self.oracle_kl: list[float] = []
+
+    def ratios(self, candidates: dict) -> dict:
+        """Per candidate (key -> config), its KL from dense as a multiple of the oracle's, mean over
+        the windows. A window where the oracle's KL is zero compares the KL (+1, so that the ratio
+        stays defined)."""
+        self.bar.total += len(self.windows) * len(candidates) + (0 if self.dense else 2 * len(self.windows))
+        self.bar.refresh()
+        out: dict = {key: [] for key in candidates}
+        for w, ids in enumerate(self.windows):
+            t0 = ids.shape[0] - self.scored
+            prefix = self.runner.prefill(ids[:t0][None])
+            chunk = ids[t0:][None]
+            if w == len(self.dense):
+                self.dense.append(self.runner.run(prefix, chunk, InfiniGenConfig(policy="dense")).logits[0])
+                self.bar.update(1)
+                self.oracle_kl.append(
+                    kl_divergence(self.dense[w], self.runner.run(prefix, chunk, self.oracle).logits[0])
+                )
+                self.bar.update(1)
+            base = self.oracle_kl[w]
+            for key, cfg in candidates.items():
+                kl = kl_divergence(self.dense[w], self.runner.run(prefix, chunk, cfg).logits[0])
+                out[key].append(kl / base if base > 0 else 1.0 + kl)
+                self.bar.update(1)
+            del prefix
+        return {key: sum(v) / len(v) for key, v in out.items()}
+
+
 @torch.no_grad()
 def measure(session, config: InfiniGenConfig, progress: bool = True) -> SpreadChoice:
-    """Teacher-force each spread of `config` on the held-out windows through `session` (an
-    attached session of the model) and keep the one with the smaller KL as a multiple of the
-    oracle's. A window where the oracle's KL is zero compares the spreads' KL (+1 each, so that
-    the ratio stays defined)."""
+    """Teacher-force the candidates of `config` on the held-out windows through `session` (an
+    attached session of the model) and keep what `infinigen.spread` says: the spread with the
+    smaller KL as a multiple of the oracle's (at the least correction, or the target given),
+    then, where the target is left unset, the least correction within the aim."""
     adapter = session.adapter
-    length = min(CONTEXT, calibration_length(config.calibration_tokens, adapter), adapter.max_positions)
+    length = min(calibration_length(config.calibration_tokens, adapter), adapter.max_positions)
     scored = min(SCORED, max(length // 4, 1))
     windows = held_out_ids(session.tokenizer, session.model.config.vocab_size, length)
-    candidates = {name: config.replace(allocation=name) for name in SPREADS}
+    first = config.correction_target if config.correction_target is not None else TARGETS[0]
+    spreads = SPREADS if config.allocation == "auto" else (config.allocation,)
     oracle = config.replace(policy="oracle", budget=config.resolved_budget)
-    total = len(windows) * (2 + len(candidates))
-    bar = tqdm(total=total, desc="choosing the budget spread", unit="run", disable=not progress, leave=False)
-    ratios: dict[str, list[float]] = {name: [] for name in candidates}
-    ev = ForcedRunner(session.model, session)
-    for ids in windows:
-        t0 = ids.shape[0] - scored
-        prefix = ev.prefill(ids[:t0][None])
-        chunk = ids[t0:][None]
-        dense = ev.run(prefix, chunk, InfiniGenConfig(policy="dense")).logits[0]
-        bar.update(1)
-        base = kl_divergence(dense, ev.run(prefix, chunk, oracle).logits[0])
-        bar.update(1)
-        for name, cfg in candidates.items():
-            kl = kl_divergence(dense, ev.run(prefix, chunk, cfg).logits[0])
-            ratios[name].append(kl / base if base > 0 else 1.0 + kl)
-            bar.update(1)
-    bar.close()
-    mean = {name: sum(v) / len(v) for name, v in ratios.items()}
-    best = min(SPREADS, key=mean.__getitem__)  # the first of equals: uniform
+    what = "choosing the budget spread" if len(spreads) > 1 else "choosing the correction target"
+    bar = tqdm(total=0, desc=what, unit="run", disable=not progress, leave=False)
+    held = _HeldOut(session, windows, scored, oracle, bar)
+    mean = held.ratios({name: config.replace(allocation=name, correction_target=first) for name in spreads})
+    best = min(spreads, key=mean.__getitem__)  # the first of equals: uniform
     if any(math.isnan(v) for v in mean.values()):
-        best = SPREADS[0]
-    return SpreadChoice(best, mean, length, scored, len(windows))
+        best = spreads[0]
+    target, by_target = None, {}
+    if target_left(config):
+        by_target = {first: mean[best]}
+        if not mean[best] <= KL_AIM:
+            bar.set_description("choosing the correction target")
+            by_target.update(_stricter_targets(session, held, config.replace(allocation=best), by_target))
+        target = choose_target(by_target)
+    bar.close()
+    return SpreadChoice(best, mean, length, scored, len(windows), target, {f"{t:g}": r for t, r in by_target.items()})
+
+
+def _stricter_targets(session, held: _HeldOut, config: InfiniGenConfig, measured: dict[float, float]) -> dict:
+    """KL ratios of the targets after the first: run only those whose top-ups differ from a
+    target's already measured (equal top-ups select the same positions: the same KL)."""
+    seen = {_top_ups(session, config.replace(correction_target=t)): t for t in measured}
+    runs, same = {}, {}
+    for t in TARGETS[1:]:
+        key = _top_ups(session, config.replace(correction_target=t))
+        if key in seen:
+            same[t] = seen[key]
+        else:
+            seen[key] = t
+            runs[t] = config.replace(correction_target=t)
+    out = held.ratios(runs) if runs else {}
+    for t, twin in same.items():
+        out[t] = measured[twin] if twin in measured else out[twin]
+    return out
+
+
+def _top_ups(session, config: InfiniGenConfig) -> tuple:
+    """The per-layer top-ups `config` (every setting explicit) fetches in `session`."""
+    return tuple(sorted(session.selector_for(config).layer_corrections.items()))

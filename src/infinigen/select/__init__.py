@@ -24,7 +24,7 @@ from infinigen.select.infinigen import (
 from infinigen.select.oracle import OracleSelector
 from infinigen.select.quest import QuestSelector
 from infinigen.select.streaming import StreamingSelector
-from infinigen.spread import resolve_allocation, stored_choice
+from infinigen.spread import needs_measuring, resolve_measured, stored_choice
 
 SELECTORS: dict[str, type[Selector]] = {
     cls.name: cls for cls in (InfiniGenSelector, H2OSelector, StreamingSelector, QuestSelector, OracleSelector)
@@ -42,7 +42,7 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
     if cls is InfiniGenSelector:
         if artifact is None:
             raise ValueError("the infinigen selector needs the skew artifact of an attach session")
-        knobs = resolve_allocation(knobs, artifact, config)
+        knobs = resolve_measured(knobs, artifact, config)
         selecting = selecting_layers(config, adapter)
         counts = layer_channels_from_artifact(artifact, knobs, selecting, adapter.head_dim)
         channels = channels_from_artifact(artifact, counts)
@@ -52,7 +52,7 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
         maps = query_maps_from_artifact(artifact, knobs, selecting, adapter.num_heads, folded, devices)
         return InfiniGenSelector(
             knobs, adapter, projections, budgets, selecting, maps, config.storage_dtype(), corrections,
-            stored_choice(artifact, config) if config.allocation == "auto" else None,
+            stored_choice(artifact, config) if needs_measuring(config) else None,
         )  # fmt: skip
     if cls is OracleSelector:
         return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())
@@ -72,7 +72,7 @@ def corrections_chosen(config: InfiniGenConfig, adapter, artifact) -> dict[int, 
     layers = selecting_layers(config, adapter)
     if knobs.correction is not None:
         return {i: knobs.correction for i in layers if knobs.correction > 0}
-    knobs = resolve_allocation(knobs, artifact, config)
+    knobs = resolve_measured(knobs, artifact, config)
     return _budgets_and_corrections(artifact, knobs, layers)[1]
 
 

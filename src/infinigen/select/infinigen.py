@@ -53,7 +53,7 @@ from infinigen.speculate import (
     selection_mask,
     top_up,
 )
-from infinigen.spread import SpreadChoice
+from infinigen.spread import KL_AIM, SpreadChoice
 
 
 @dataclass
@@ -186,14 +186,20 @@ class InfiniGenSelector(Selector):
 
     def describe(self) -> dict:
         out = super().describe()
-        if self.spread_choice is not None:
+        choice = self.spread_choice
+        if choice is not None:
+            held_out = {"context": choice.context, "scored_tokens": choice.scored, "windows": choice.windows}
             out["allocation_chosen_by"] = {
                 "rule": "auto: the smaller KL from dense as a multiple of the oracle's, on held-out text",
-                "kl_ratio": {k: round(v, 4) for k, v in self.spread_choice.kl_ratio.items()},
-                "context": self.spread_choice.context,
-                "scored_tokens": self.spread_choice.scored,
-                "windows": self.spread_choice.windows,
+                "kl_ratio": {k: round(v, 4) for k, v in choice.kl_ratio.items()},
+                **held_out,
             }
+            if choice.correction_target is not None:
+                out["correction_target_chosen_by"] = {
+                    "rule": f"the least correction whose KL is within {KL_AIM:g}x the oracle's, else the least KL",
+                    "kl_ratio": {k: round(v, 4) for k, v in choice.target_kl_ratio.items()},
+                    **held_out,
+                }
         if self.layer_budgets:
             out["layer_budgets"] = {str(i): round(b, 5) for i, b in sorted(self.layer_budgets.items())}
         if self.layer_corrections:
