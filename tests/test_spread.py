@@ -130,8 +130,8 @@ def test_the_measurement_is_the_kl_of_each_spread_over_the_oracles(monkeypatch, 
 @pytest.mark.parametrize("aim", [0.0, math.inf])
 def test_stricter_targets_are_run_only_where_the_least_correction_misses_the_aim(monkeypatch, tmp_path, aim):
     """With an aim nothing meets, every target is measured (each equal to the evaluator's KL
-    ratio, targets of equal top-ups run once) and the least KL kept; with an aim everything
-    meets, only the least correction runs."""
+    ratio, targets of equal top-ups run once, on the window's one prefill) and the least KL kept;
+    with an aim everything meets, only the least correction runs."""
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(sys.modules["infinigen.eval.spread_choice"], "KL_AIM", aim)
     monkeypatch.setattr(sys.modules["infinigen.spread"], "KL_AIM", aim)
@@ -141,6 +141,8 @@ def test_stricter_targets_are_run_only_where_the_least_correction_misses_the_aim
     runner = sys.modules["infinigen.eval.spread_choice"].ForcedRunner
     original = runner.run
     monkeypatch.setattr(runner, "run", lambda self, *a, **k: runs.append(a[-1]) or original(self, *a, **k))
+    prefills, prefill = [], runner.prefill
+    monkeypatch.setattr(runner, "prefill", lambda self, ids: prefills.append(ids) or prefill(self, ids))
     with attach(model, cfg, progress=False) as session:
         session.selector_for(cfg)
         choice = stored_choice(session.artifact, cfg)
@@ -156,6 +158,8 @@ def test_stricter_targets_are_run_only_where_the_least_correction_misses_the_aim
     ratios = {t: choice.target_kl_ratio[f"{t:g}"] for t in TARGETS}
     assert choice.correction_target == min(TARGETS, key=lambda t: (ratios[t], TARGETS.index(t)))
     assert len(runs) == 2 + len(set(top_ups.values()))  # equal top-ups: one run
+    assert len(set(top_ups.values())) > 1, "the tiny model must need a stricter target for this test"
+    assert len(prefills) == 1  # the window's prefill is kept for the stricter targets
     (ids,) = held_out_ids(None, model.config.vocab_size, choice.context)
     t0 = ids.shape[0] - choice.scored
     with Evaluator(model) as ev:
