@@ -102,6 +102,20 @@ def test_auto_is_measured_once_stored_in_the_cached_artifact_and_equals_the_spre
         session.selector_for(cfg.replace(budget=0.5))  # other settings: a measurement of their own
 
 
+def _evaluator_ratios(model, choice: SpreadChoice, cfg: InfiniGenConfig, configs: dict) -> dict:
+    """Per config (key -> config), KL(dense, config) / KL(dense, oracle at cfg's budget) computed
+    by the evaluator on the measurement's held-out window: the independent reference."""
+    (ids,) = held_out_ids(None, model.config.vocab_size, choice.context)
+    t0 = ids.shape[0] - choice.scored
+    with Evaluator(model) as ev:
+        prefix = ev.prefill(ids[:t0][None])
+        chunk = ids[t0:][None]
+        dense = ev.run(prefix, chunk, InfiniGenConfig(policy="dense")).logits[0]
+        oracle = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(policy="oracle")).logits[0])
+        assert oracle > 0
+        return {key: kl_divergence(dense, ev.run(prefix, chunk, c).logits[0]) / oracle for key, c in configs.items()}
+
+
 def test_the_measurement_is_the_kl_of_each_spread_over_the_oracles(monkeypatch, tmp_path):
     """The stored ratios equal KL(dense, spread) / KL(dense, oracle) computed by the evaluator on
     the same held-out window."""
@@ -112,19 +126,12 @@ def test_the_measurement_is_the_kl_of_each_spread_over_the_oracles(monkeypatch, 
         session.selector_for(cfg)
         choice = stored_choice(session.artifact, cfg)
     assert (choice.context, choice.windows) == (128, 1)
-    (ids,) = held_out_ids(None, model.config.vocab_size, choice.context)
-    t0 = ids.shape[0] - choice.scored
     assert choice.scored == min(SCORED, choice.context // 4)
-    with Evaluator(model) as ev:
-        prefix = ev.prefill(ids[:t0][None])
-        chunk = ids[t0:][None]
-        dense = ev.run(prefix, chunk, InfiniGenConfig(policy="dense")).logits[0]
-        oracle = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(policy="oracle")).logits[0])
-        for name in SPREADS:
-            explicit = cfg.replace(allocation=name, correction_target=TARGETS[0])  # the spread, least correction
-            kl = kl_divergence(dense, ev.run(prefix, chunk, explicit).logits[0])
-            assert choice.kl_ratio[name] == pytest.approx(kl / oracle, rel=1e-4)
-    assert oracle > 0
+    explicit = {
+        name: cfg.replace(allocation=name, correction_target=TARGETS[0]) for name in SPREADS
+    }  # least correction
+    for name, ratio in _evaluator_ratios(model, choice, cfg, explicit).items():
+        assert choice.kl_ratio[name] == pytest.approx(ratio, rel=1e-4)
 
 
 @pytest.mark.parametrize("aim", [0.0, math.inf])
@@ -160,16 +167,9 @@ def test_stricter_targets_are_run_only_where_the_least_correction_misses_the_aim
     assert len(runs) == 2 + len(set(top_ups.values()))  # equal top-ups: one run
     assert len(set(top_ups.values())) > 1, "the tiny model must need a stricter target for this test"
     assert len(prefills) == 1  # the window's prefill is kept for the stricter targets
-    (ids,) = held_out_ids(None, model.config.vocab_size, choice.context)
-    t0 = ids.shape[0] - choice.scored
-    with Evaluator(model) as ev:
-        prefix = ev.prefill(ids[:t0][None])
-        chunk = ids[t0:][None]
-        dense = ev.run(prefix, chunk, InfiniGenConfig(policy="dense")).logits[0]
-        oracle = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(policy="oracle")).logits[0])
-        for t in TARGETS:
-            kl = kl_divergence(dense, ev.run(prefix, chunk, cfg.replace(correction_target=t)).logits[0])
-            assert ratios[t] == pytest.approx(kl / oracle, rel=1e-4)
+    explicit = {t: cfg.replace(correction_target=t) for t in TARGETS}
+    for t, ratio in _evaluator_ratios(model, choice, cfg, explicit).items():
+        assert ratios[t] == pytest.approx(ratio, rel=1e-4)
 
 
 def test_a_given_artifact_file_is_never_rewritten(monkeypatch, tmp_path):

@@ -119,30 +119,22 @@ def resolve_measured(knobs: SpeculationKnobs, artifact, config: InfiniGenConfig)
     Raises if it has not been measured."""
     if knobs.allocation != "auto" and knobs.correction_target is not None:
         return knobs
-    if not needs_measuring(config):
-        return replace(
-            knobs,
-            allocation=SPREADS[0] if knobs.allocation == "auto" else knobs.allocation,
-            correction_target=TARGETS[0] if knobs.correction_target is None else knobs.correction_target,
-        )
-    choice = stored_choice(artifact, config)
-    if choice is None:
-        raise ValueError(
-            "the budget's spread (allocation 'auto') and the correction target (left unset) are chosen by a "
-            "measurement on the model that has not been made for these settings: attach the model "
-            f"(`infinigen.attach`), whose session measures it, or set allocation to one of {', '.join(SPREADS)} "
-            "and correction_target to a number"
-        )
+    spread, target = SPREADS[0], TARGETS[0]  # what nothing to measure leaves
+    if needs_measuring(config):
+        choice = stored_choice(artifact, config)
+        if choice is None:
+            raise ValueError(
+                "the budget's spread (allocation 'auto') and the correction target (left unset) are chosen by a "
+                "measurement on the model that has not been made for these settings: attach the model "
+                f"(`infinigen.attach`), whose session measures it, or set allocation to one of "
+                f"{', '.join(SPREADS)} and correction_target to a number"
+            )
+        spread = choice.choice
+        target = choice.correction_target if choice.correction_target is not None else target
     return replace(
         knobs,
-        allocation=choice.choice if knobs.allocation == "auto" else knobs.allocation,
-        correction_target=(
-            knobs.correction_target
-            if knobs.correction_target is not None
-            else choice.correction_target
-            if choice.correction_target is not None
-            else TARGETS[0]
-        ),
+        allocation=spread if knobs.allocation == "auto" else knobs.allocation,
+        correction_target=target if knobs.correction_target is None else knobs.correction_target,
     )
 
 
