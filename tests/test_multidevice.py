@@ -9,8 +9,8 @@ from accelerate import dispatch_model
 
 from conftest import greedy_with_logits, tiny_model
 from infinigen import InfiniGenConfig, attach
-from infinigen.layers import RowBuffers
 from infinigen.storage import RamTier, TransferStats
+from infinigen.transfer import RowBuffers
 
 
 @pytest.mark.parametrize("policy", ["full", "infinigen"])

@@ -40,6 +40,12 @@ def dense_attention(module, query, key, value, attention_mask, dropout: float = 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def attention_scaling(query: torch.Tensor, scaling: float | None) -> float:
+    """The scale of the scores: the model's own when it passes one, else 1/sqrt(head dim) (the
+    default every attention implementation applies; one rule for every caller)."""
+    return query.shape[-1] ** -0.5 if scaling is None else scaling
+
+
 def attend_selection(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

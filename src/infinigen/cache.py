@@ -18,10 +18,19 @@ from transformers.cache_utils import Cache
 
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InfiniGenError
-from infinigen.layers import CacheCounters, ComputeLayer, LocalLayer, OffloadedLayer, Positions, RowBuffers
+from infinigen.layers import (
+    AttendObserver,
+    ComputeLayer,
+    LocalLayer,
+    OffloadedLayer,
+    OffloadSettings,
+    Positions,
+    Shared,
+)
+from infinigen.roles import Role
 from infinigen.select import Selector
-from infinigen.select.base import held_bytes
 from infinigen.storage import Storage
+from infinigen.transfer import CacheCounters
 
 HOW_TO_MAKE = (
     "an InfiniGenCache is made by an attach session: "
@@ -56,6 +65,8 @@ class InfiniGenCache(SessionCache):
     max_length: the positions this generation will reach (prompt + new tokens), if known: it
                 sizes disk files, compute-side buffers and a capped host pool; default: the
                 model's context. trace: keep a `TransferRecord` of every transfer issued.
+    observer:   what watches each decode step's attention (`AttendObserver`; evaluation's
+                recall, `infinigen.eval.recall`), or None; settable until the first decode step.
     One cache serves one generation; `close()` (or a ``with`` block) removes its files.
     """
 
@@ -67,6 +78,7 @@ class InfiniGenCache(SessionCache):
         *,
         max_length: int | None = None,
         trace: bool = False,
+        observer: AttendObserver | None = None,
     ) -> None:
         if isinstance(config, nn.Module) or not isinstance(config, InfiniGenConfig):
             raise TypeError(HOW_TO_MAKE)
@@ -86,7 +98,7 @@ class InfiniGenCache(SessionCache):
             config.storage_dtype(),
             capacity=capacity,
             reserve=max_length,
-            layers=sum(role not in ("compute", "local") for role in roles),
+            layers=sum(role.offloaded for role in roles),
             directory=config.kv_dir,
             io_threads=config.io_threads,
             device=next(adapter.model.parameters()).device,
@@ -101,30 +113,16 @@ class InfiniGenCache(SessionCache):
         self.counters = CacheCounters(trace=[] if trace else None)
         # Selection and fetch of a layer run here while the compute thread finishes the layer before.
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="infinigen-prefetch") if selector else None
-        buffers = RowBuffers()
+        self._shared = Shared(self.storage, self.positions, self.counters, prefetch=self.prefetch, observer=observer)
         layers: list[Any] = []
         for i, role in enumerate(roles):
-            if role == "compute":
+            if role == Role.COMPUTE:
                 layers.append(ComputeLayer(i, capacity, reserve=max_length is not None))
-            elif role == "local":
+            elif role == Role.LOCAL:
                 layers.append(LocalLayer(i, adapter.window(i)))
             else:
-                pooled = role == "select" and config.host_capacity is not None
-                layers.append(
-                    OffloadedLayer(
-                        i,
-                        role,
-                        adapter,
-                        self.storage,
-                        self.positions,
-                        self.counters,
-                        selector,
-                        pooled=pooled,
-                        measure_recall=config.measure_recall,
-                        prefetch=self.prefetch,
-                        buffers=buffers,
-                    )  # fmt: skip
-                )
+                pooled = role == Role.SELECT and config.host_capacity is not None
+                layers.append(OffloadedLayer(OffloadSettings(i, role, pooled), self._shared, selector))
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------------ Cache API
@@ -178,6 +176,15 @@ class InfiniGenCache(SessionCache):
             )
 
     @property
+    def observer(self) -> AttendObserver | None:
+        """What watches each decode step's attention (None: nothing; see `AttendObserver`)."""
+        return self._shared.observer
+
+    @observer.setter
+    def observer(self, observer: AttendObserver | None) -> None:
+        self._shared.observer = observer
+
+    @property
     def trace(self):
         """Every transfer issued (a list of `TransferRecord`), when made with trace=True."""
         return self.counters.trace
@@ -217,24 +224,11 @@ class InfiniGenCache(SessionCache):
     def summary(self) -> dict[str, Any]:
         """What this generation moved and selected (decode steps only)."""
         c, stats = self.counters, self.storage.stats
-        per_layer = [
-            {
-                "layer": i,
-                "role": layer.role,
-                "speculated": layer.role == "select",
-                "fetched_fraction": layer.stats.fraction(),
-                "recall": layer.stats.recall(),
-                "wait_seconds": layer.stats.wait_seconds,
-                "correction_rows": layer.stats.correction_rows,
-                "budget": self.selector.budget(i) if layer.role == "select" else None,
-                "correction": self.selector.correction(i) if layer.role == "select" else None,
-            }
-            for i, layer in enumerate(self.layers)
-        ]
+        per_layer = [self._layer_summary(i, layer) for i, layer in enumerate(self.layers)]
         selected = [p for p in per_layer if p["speculated"]]
         fractions = [p["fetched_fraction"] for p in selected if p["fetched_fraction"] is not None]
         recalls = [p["recall"] for p in selected if p["recall"] is not None]
-        if all(p["role"] in ("compute", "local") for p in per_layer):
+        if not any(isinstance(layer, OffloadedLayer) for layer in self.layers):
             fetched = None  # nothing is offloaded, nothing is fetched
         elif not selected:
             fetched = 1.0
@@ -267,7 +261,28 @@ class InfiniGenCache(SessionCache):
             "read_amplification": stats.amplification,
             "local_kv_bytes": sum(layer.peak_bytes for layer in self.layers if isinstance(layer, LocalLayer)),
             "selector_bytes": sum(
-                held_bytes(layer.state) for layer in self.layers if isinstance(layer, OffloadedLayer)
+                layer.selecting.held_bytes()
+                for layer in self.layers
+                if isinstance(layer, OffloadedLayer) and layer.selecting is not None
             ),
             "per_layer": per_layer,
         }
+
+    def _layer_summary(self, i: int, layer) -> dict[str, Any]:
+        """One layer's entry of `summary()`: its role, what it fetched and waited, what the
+        selector allowed it, and what the observer measured there."""
+        select = layer.role == Role.SELECT
+        entry = {
+            "layer": i,
+            "role": layer.role.value,
+            "speculated": select,
+            "fetched_fraction": layer.stats.fraction(),
+            "recall": None,
+            "wait_seconds": layer.stats.wait_seconds,
+            "correction_rows": layer.stats.correction_rows,
+            "budget": self.selector.budget(i) if select else None,
+            "correction": self.selector.correction(i) if select else None,
+        }
+        if self.observer is not None:
+            entry.update(self.observer.report(i))
+        return entry

@@ -28,14 +28,18 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
-from infinigen.attention import dense_attention
+from infinigen.attention import attention_scaling, dense_attention
 from infinigen.cache import SessionCache
 from infinigen.config import InfiniGenConfig
+from infinigen.eval.recall import HeadRecall
+from infinigen.layer_selector import LayerSelector, with_top_up
 from infinigen.layers import LocalLayer, Positions, SessionLayer
 from infinigen.prefill import chunked_prefill
+from infinigen.roles import Role
 from infinigen.select import Selector
-from infinigen.speculate import Selection, attention_column_sums, attention_recall, selection_mask
+from infinigen.speculate import Selection, attention_column_sums, selection_mask
 from infinigen.storage import roundtrip, row_bytes
+from infinigen.transfer import LayerStats, fetched_fraction
 
 
 @dataclass
@@ -118,30 +122,28 @@ class _PrefillLayer(SessionLayer):
 
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         if self.record is not None:
-            sc = query.shape[-1] ** -0.5 if scaling is None else scaling
             valid = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
-            self.record[self.index] = attention_column_sums(query, key, valid, sc)
+            self.record[self.index] = attention_column_sums(query, key, valid, attention_scaling(query, scaling))
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 class ForcedLayer(SessionLayer):
     """One layer of a forced run: the prefix's KV, then the S forced positions, attended as the
-    step-by-step decode would (see the module docstring)."""
+    step-by-step decode would (see the module docstring). A selecting layer replays its selector
+    through the same `LayerSelector` calls as the decode path's `OffloadedLayer`."""
 
     def __init__(
         self,
         index: int,
-        role: str,
+        role: Role,
         prefix: Prefix,
         config: InfiniGenConfig,
-        selector: Selector | None,
-        state: Any,
-        adapter,
+        selecting: LayerSelector | None,
         record: _Record,
     ) -> None:
         super().__init__()
-        self.index, self.role, self.config, self.adapter, self.record = index, role, config, adapter, record
-        self.selector, self.state = selector, state
+        self.index, self.role, self.config, self.record = index, role, config, record
+        self.selecting = selecting
         self.prefix_keys = prefix.cache.layers[index].keys
         self.prefix_values = prefix.cache.layers[index].values
         self.length = prefix.length
@@ -158,12 +160,11 @@ class ForcedLayer(SessionLayer):
         return torch.cat([self.prefix_keys, key_states], -2), torch.cat([self.prefix_values, value_states], -2)
 
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        if self.role == "compute":
+        if self.role == Role.COMPUTE:
             return dense_attention(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
-        sc = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return self._fetched_attention(query, key, value, sc)
+        return self._fetched_attention(query, key, value, attention_scaling(query, scaling))
 
     def _fetched_attention(self, query, key, value, scaling: float):
         """Attention of S forced positions over the KV a tier would return, masked per position."""
@@ -185,13 +186,13 @@ class ForcedLayer(SessionLayer):
         scores[:, :, rows, self_col] = (qf * k_self).sum(-1) * scaling
         cols = torch.arange(k_len, device=query.device)
         causal = cols[None, :] <= self_col[:, None]  # [S, K]
-        if self.role == "fetch_all":
+        if self.role == Role.FETCH_ALL:
             allowed = causal[None, None].expand(b, h, s_len, k_len)
             n_rows = b * hkv * int((t0 + rows).sum())
             self.record.rows += n_rows
             self.record.bytes += n_rows * row_bytes(fmt, d, kv_dtype)
         else:
-            mask = self._replay_selection(scores, query, key, t0, s_len, kv_dtype)
+            mask = self._replay_selection(scores, query, key, t0, s_len, row_bytes(fmt, d, kv_dtype))
             allowed = mask[:, :, None].expand(b, hkv, g, s_len, k_len).reshape(b, h, s_len, k_len)
             allowed = allowed | (cols[None, :] == self_col[:, None])[None, None]
         probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1)
@@ -200,54 +201,58 @@ class ForcedLayer(SessionLayer):
         out = out + p_self[..., None] * (v_self - vr[:, :, t0:])  # the current token's exact V
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
-    def _replay_selection(self, scores, own_query, key, t0: int, s_len: int, kv_dtype) -> torch.Tensor:
+    def _replay_selection(self, scores, own_query, key, t0: int, s_len: int, per_row: int) -> torch.Tensor:
         """The selector's step-by-step selections of this layer for the S positions, with the
-        corrections its own queries add: [B, Hkv, S, K]."""
-        selector, state, i, record = self.selector, self.state, self.index, self.record
-        b, h = scores.shape[:2]
-        hkv, k_len = key.shape[1], key.shape[2]
-        g = h // hkv
+        top-ups its own queries add, in the decode path's order (select, append, top up,
+        observe) and counted by its rules: [B, Hkv, S, K]."""
+        selecting, record, i = self.selecting, self.record, self.index
+        b, hkv, k_len = key.shape[0], key.shape[1], key.shape[2]
         queries = None
-        if selector.query_from is not None:
-            x, pe = self.inputs[selector.query_from]
-            queries = selector.query(i, x.to(torch.float32), pe)  # [B, H, S, d]
+        if selecting.query_from is not None:
+            queries = selecting.query(*self.inputs[selecting.query_from])  # [B, H, S, d]
         real = torch.ones(b, 1, k_len, dtype=torch.bool, device=key.device)
         new_valid = torch.ones(b, 1, dtype=torch.bool, device=key.device)
         mask = torch.zeros(b, hkv, s_len, k_len, dtype=torch.bool, device=key.device)
-        frac_sum, extra_sum, rec_sum = 0.0, 0.0, torch.zeros(h, dtype=torch.float64)
-        per_row = row_bytes(self.config.spec.fmt, key.shape[-1], kv_dtype)
+        stats, recall, topped_up = LayerStats(), HeadRecall() if record.measure_recall else None, 0.0
         for s in range(s_len):
             past = t0 + s
-            q = queries[:, :, s] if queries is not None else None
             valid = real[..., :past].expand(b, hkv, past)
-            sel = selector.select(state, i, q, past, valid)
-            selector.on_append(state, i, key[:, :, past : past + 1], new_valid)
-            extra = selector.correct(state, i, own_query[:, :, s], past, valid, sel)
-            if extra is not None and extra.indices.shape[-1]:
-                record.correction_rows += int(extra.valid.sum())
-                extra_sum += (extra.counts.to(torch.float64) / max(past, 1)).mean().item()
-                sel = Selection(torch.cat([sel.indices, extra.indices], -1), torch.cat([sel.valid, extra.valid], -1))
+            sel = selecting.select(queries[:, :, s] if queries is not None else None, past, valid)
+            selecting.append(key[:, :, past : past + 1], new_valid)
+            stats.count_step(float(fetched_fraction(sel, past)))
+            extra = selecting.top_up(own_query[:, :, s], past, valid, sel)
+            if extra is not None:
+                fraction = float(fetched_fraction(extra, past))
+                stats.count_top_up(int(extra.valid.sum()), fraction)
+                topped_up += fraction
+                sel = with_top_up(sel, extra)
             mask[:, :, s, :past] = selection_mask(sel, past)
-            allowed = mask[:, :, s, : past + 1].clone()
-            allowed[..., past] = True
-            row = scores[:, :, s, : past + 1].masked_fill(~allowed.repeat_interleave(g, 1), -math.inf)
-            p = torch.softmax(row, -1)
-            selector.observe(state, i, sel, p.gather(-1, sel.indices.repeat_interleave(g, 1)), p[..., past])
-            frac_sum += (sel.counts.to(torch.float64) / max(past, 1)).mean().item()
+            self._observe(scores[:, :, s, : past + 1], mask[:, :, s, :past], sel)
             n = int(sel.valid.sum())
             record.rows += n
             record.bytes += n * per_row
-            if record.measure_recall:
-                true = torch.softmax(scores[:, :, s, :past], -1)
-                rec_sum += attention_recall(true, sel).mean(0).to(torch.float64)
-        record.fraction[i] = frac_sum / s_len
-        if extra_sum:
-            record.correction[i] = extra_sum / s_len
-        if record.measure_recall:
-            heads = rec_sum / s_len
+            if recall is not None:
+                recall.add(torch.softmax(scores[:, :, s, :past], -1), sel)
+        record.fraction[i] = stats.fraction()
+        record.correction_rows += stats.correction_rows
+        if topped_up:
+            record.correction[i] = topped_up / s_len
+        if recall is not None:
+            heads = recall.per_head()
             record.recall[i] = heads.mean().item()
             record.recall_heads[i] = heads.tolist()
         return mask
+
+    def _observe(self, scores: torch.Tensor, selected: torch.Tensor, sel: Selection) -> None:
+        """The step's weights, as the decode path's attention gives them to the selector: the
+        softmax of scores [B, H, past + 1] over the selected positions [B, Hkv, past] and itself."""
+        if not self.selecting.observes:
+            return
+        g = scores.shape[1] // selected.shape[1]
+        past = selected.shape[-1]
+        allowed = torch.cat([selected, selected.new_ones(*selected.shape[:2], 1)], -1)
+        p = torch.softmax(scores.masked_fill(~allowed.repeat_interleave(g, 1), -math.inf), -1)
+        self.selecting.observe(sel, p.gather(-1, sel.indices.repeat_interleave(g, 1)), p[..., past])
 
 
 class ForcedCache(SessionCache):
@@ -313,17 +318,11 @@ class ForcedRunner:
         layers = []
         for i in range(adapter.num_layers):
             role = config.layer_role(i, local=adapter.is_local(i))
-            if role == "local":  # its window of the prefix, then the chunk, under the model's sliding mask
+            if role == Role.LOCAL:  # its window of the prefix, then the chunk, under the model's sliding mask
                 layers.append(_local_layer(prefix, i, adapter.window(i)))
                 continue
-            state = None
-            if role == "select":
-                state = selector.new_state(i)
-                k_pre = prefix.cache.layers[i].keys
-                valid = torch.ones(k_pre.shape[0], k_pre.shape[2], dtype=torch.bool, device=k_pre.device)
-                selector.on_append(state, i, k_pre, valid)
-                selector.on_prefill(state, i, _StoredWeights(self, prefix, i))
-            layers.append(ForcedLayer(i, role, prefix, config, selector, state, adapter, record))
+            selecting = _prefilled(selector, i, prefix, self) if role == Role.SELECT else None
+            layers.append(ForcedLayer(i, role, prefix, config, selecting, record))
         out = self.model(input_ids=chunk, past_key_values=ForcedCache(layers), use_cache=True)
         return ForcedResult(
             logits=out.logits.float(),
@@ -345,3 +344,13 @@ def _local_layer(prefix: Prefix, index: int, window: int) -> LocalLayer:
     keep = min(prefix.length, window - 1)
     start = stored.keys.shape[2] - keep
     return LocalLayer(index, window, stored.keys[:, :, start:], stored.values[:, :, start:], length=prefix.length)
+
+
+def _prefilled(selector: Selector, index: int, prefix: Prefix, runner: ForcedRunner) -> LayerSelector:
+    """`selector` bound to layer `index`, having seen the prefix's keys and prefill, as a
+    decode after that prefill would have."""
+    selecting = LayerSelector(selector, index)
+    k_pre = prefix.cache.layers[index].keys
+    selecting.append(k_pre, torch.ones(k_pre.shape[0], k_pre.shape[2], dtype=torch.bool, device=k_pre.device))
+    selecting.prefill(_StoredWeights(runner, prefix, index))
+    return selecting

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from infinigen.attach import attach
+from infinigen.calibration import attach
 from infinigen.config import InfiniGenConfig
 
 
