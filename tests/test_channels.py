@@ -11,13 +11,8 @@ from infinigen import ConfigError, InfiniGenConfig, SkewArtifact, SkewArtifactEr
 from infinigen.models import get_adapter
 from infinigen.select import make_selector
 from infinigen.skew import calibrate, synthetic_calibration_ids
-from infinigen.speculate import (
-    allocate_channels,
-    channel_grid,
-    oracle_recall_curve,
-    partial_projection,
-    partial_recall_table,
-)
+from infinigen.skew.tables import allocate_channels, channel_grid, oracle_recall_curve, partial_recall_table
+from infinigen.speculate import partial_projection
 
 
 # ---------------------------------------------------------------------- allocation

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -75,13 +76,13 @@ def test_selectors_get_their_own_knobs_with_the_policy_default_budget():
     ],
 )
 def test_settings_parse_from_text(name, text, value):
-    from infinigen.config import parse_setting
+    from infinigen.cli_settings import parse_setting
 
     assert parse_setting(name, text) == value
 
 
 def test_text_that_does_not_parse_names_the_setting():
-    from infinigen.config import parse_setting
+    from infinigen.cli_settings import parse_setting
 
     with pytest.raises(ConfigError, match="min_tokens takes an integer"):
         parse_setting("min_tokens", "many")
@@ -107,6 +108,7 @@ def test_every_setting_is_a_flag_of_every_command():
         assert flag in _flags(sub["generate"]), name
         assert flag in _flags(bench_parser()) or name == "policy", name
         assert flag in _flags(sub["demo"]) or name == "policy", name
+        assert flag in _flags(sub["skew"]) or name == "policy", name
         if name not in EVAL_FIXED:
             default = getattr(InfiniGenConfig(), name)
             text = ",".join(f"{k}:{v}" for k, v in default.items()) if isinstance(default, dict) else str(default)
@@ -114,8 +116,8 @@ def test_every_setting_is_a_flag_of_every_command():
 
 
 def test_flags_build_the_same_config_as_the_api():
-    from infinigen.cli import RUN_DEFAULTS, build_parser
-    from infinigen.config import from_arguments
+    from infinigen.cli import build_parser
+    from infinigen.cli_settings import RUN_DEFAULTS, from_arguments
 
     argv = [
         "generate",
@@ -140,3 +142,61 @@ def test_flags_build_the_same_config_as_the_api():
 def test_an_empty_kv_dir_is_refused_not_read_as_the_current_folder():
     with pytest.raises(ConfigError, match="kv_dir must be a folder path"):
         InfiniGenConfig(tier="disk", kv_dir=" ")
+
+
+INFINIGEN_KNOBS = (
+    "alpha",
+    "partial_ratio",
+    "aggregation",
+    "skew",
+    "calibration_tokens",
+    "min_tokens",
+    "block_tokens",
+    "layer_alpha",
+    "allocation",
+    "channel_allocation",
+    "correction",
+    "correction_target",
+    "speculate_from",
+)
+
+
+def _group_flags(parser, title: str) -> set[str]:
+    group = next(g for g in parser._action_groups if g.title == title)  # argparse keeps no public list
+    return {flag for action in group._group_actions for flag in action.option_strings if not flag.startswith("--no-")}
+
+
+def test_research_switches_are_a_group_of_their_own_and_still_flags():
+    """`--help` leads with the few settings a user chooses; InfiniGen's knobs (and the baselines')
+    are listed apart, yet each is a flag and an `eval --set` key like any other."""
+    from infinigen.cli import build_parser, eval_overrides
+    from infinigen.cli_settings import ADVANCED_GROUP, USER_GROUP
+    from infinigen.config import SpeculationKnobs, advanced_settings, setting_fields
+
+    advanced = set(advanced_settings())
+    assert {f.name for f in dataclasses.fields(SpeculationKnobs)} - {"budget", "budget_tokens"} == set(INFINIGEN_KNOBS)
+    assert set(INFINIGEN_KNOBS) <= advanced
+    assert {"policy", "budget", "tier", "kv_dir", "block_cache", "host_capacity", "kv_dtype"}.isdisjoint(advanced)
+    generate = next(a for a in build_parser()._actions if a.dest == "command").choices["generate"]
+    flag = {name: "--" + name.replace("_", "-") for name in setting_fields()}
+    assert _group_flags(generate, ADVANCED_GROUP) == {flag[n] for n in advanced}
+    assert _group_flags(generate, USER_GROUP) == {flag[n] for n in setting_fields() if n not in advanced}
+    assert ADVANCED_GROUP in generate.format_help()
+    args = build_parser().parse_args(["generate", "--partial-ratio", "0.5", "--no-skew"])
+    assert (args.partial_ratio, args.skew) == (0.5, False)
+    assert eval_overrides(["partial_ratio=0.5"]) == {"partial_ratio": 0.5}
+
+
+def test_docs_list_exactly_the_settings_of_the_config():
+    """docs/settings.md is generated from the config; it cannot drift from it."""
+    from pathlib import Path
+
+    from infinigen.cli_settings import settings_markdown
+    from infinigen.config import advanced_settings, setting_fields
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text(encoding="utf-8")
+    rows = [line.split("|")[1:4] for line in text.splitlines() if line.startswith("| `")]
+    listed = {name.strip().strip("`"): kind.strip() for name, _, kind in rows}
+    assert len(rows) == len(listed) == len(setting_fields())
+    assert listed == {n: ("advanced" if n in advanced_settings() else "user") for n in setting_fields()}
+    assert text == settings_markdown(), "docs/settings.md is stale: python -m infinigen.cli_settings > docs/settings.md"

@@ -12,12 +12,11 @@ from infinigen import InfiniGenConfig, SkewArtifact, SkewArtifactError, attach
 from infinigen.models import get_adapter
 from infinigen.select import make_selector
 from infinigen.skew import SkewArtifactWarning, calibrate, synthetic_calibration_ids
+from infinigen.skew.choice import CORRECTION_TARGETS
+from infinigen.skew.tables import correction_error_table, correction_share
 from infinigen.speculate import (
-    CORRECTION_ERROR_RATIO,
     aggregate_group,
     all_valid,
-    correction_error_table,
-    correction_share,
     partial_projection,
     partial_scores,
     select_positions,
@@ -108,7 +107,7 @@ GRID = ((0.05, 0.1, 0.2), (0.0, 0.25, 0.5))
 )
 def test_the_share_is_the_least_top_up_within_the_target(row, want):
     oracle = torch.ones(3)
-    assert CORRECTION_ERROR_RATIO == 1.5
+    assert CORRECTION_TARGETS[0] == 1.5  # the default target: the least correction
     assert correction_share(_table(row), oracle, 0.1, *GRID) == want
 
 

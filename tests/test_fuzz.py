@@ -14,15 +14,8 @@ import torch
 
 from conftest import VOCAB, left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
-from infinigen.config import (
-    ConfigError,
-    SpeculationKnobs,
-    add_arguments,
-    from_arguments,
-    parse_setting,
-    setting_fields,
-    setting_type,
-)
+from infinigen.cli_settings import add_arguments, from_arguments, parse_setting
+from infinigen.config import ConfigError, SpeculationKnobs, setting_fields, setting_type
 from infinigen.errors import InfiniGenError
 from infinigen.storage import DiskTier, Int4RamTier, RamTier, TransferStats, roundtrip
 

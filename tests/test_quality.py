@@ -16,7 +16,8 @@ from infinigen import InfiniGenConfig, attach
 from infinigen.eval.datasets import DatasetMissingError, code_text, load_text
 from infinigen.eval.ruler import TASKS, riemann_zeta, ruler_score, split_sentences
 from infinigen.eval.suite import EvalRunner, EvalSettings
-from infinigen.speculate import allocate_budgets, oracle_recall_curve, selection_mask, top_up
+from infinigen.skew.tables import allocate_budgets, oracle_recall_curve
+from infinigen.speculate import selection_mask, top_up
 
 
 # ---------------------------------------------------------------------- budgets across layers

@@ -1,14 +1,19 @@
 """One validated configuration: the only place a setting is declared.
 
-Every field carries its help text and its rule; validation happens at construction, so a bad
-value fails before any model work starts. The CLI flags of every command, `eval --set` and the
-benchmark's settings are derived from these fields (`infinigen.cli`), never listed by hand.
+Every field carries its help text and its rule (`infinigen.validation.knob`); validation happens
+at construction, so a bad value fails before any model work starts. The CLI flags of every
+command, `eval --set` and the benchmark's settings are derived from these fields
+(`infinigen.cli_settings`), never listed by hand.
 
 Each selector reads only its own knobs: `SpeculationKnobs` (InfiniGen), `H2OKnobs`,
 `StreamingKnobs`, `QuestKnobs` and `SelectionBudget` (oracle) are small dataclasses, and the
 user-facing `InfiniGenConfig` is their union plus placement and storage, so that users write
 one flat config (``InfiniGenConfig(alpha=4, budget=0.1)``) and `config.knobs(H2OKnobs)` hands a
 selector exactly its part.
+
+User settings and research switches: a few settings are what a user chooses (policy, budget,
+where the KV lives, threads); the rest are the method's and the baselines' knobs, whose defaults
+were measured, marked ``advanced`` (`advanced_settings`) and shown apart on the command line.
 
 `POLICIES` is the one list of policy names: what each means for placement (KV with the
 compute, or offloaded to a slow tier), selection (which selector, or every row) and storage
@@ -20,19 +25,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from infinigen.errors import InfiniGenError
-from infinigen.speculate import CORRECTION_TARGETS, KL_AIM
-from infinigen.storage import COPY_ENGINES, check_combination
-
-
-class ConfigError(InfiniGenError, ValueError):
-    """An invalid configuration value (raised before any work starts)."""
+from infinigen.roles import Role
+from infinigen.storage import COPY_ENGINES, EVICTIONS, TIERS, check_combination
+from infinigen.validation import ConfigError, Rule, Validated, at_least, fraction, knob, one_of
 
 
 # ---------------------------------------------------------------------- policies
@@ -49,62 +49,38 @@ class PolicySpec:
     summary: str = ""
 
 
+SELECTING_BUDGET = 0.1  # the budget of every selecting policy unless one is given: 10 % of the context
 POLICIES: dict[str, PolicySpec] = {
     "infinigen": PolicySpec(
         "offload",
         "infinigen",
-        default_budget=0.1,
+        default_budget=SELECTING_BUDGET,
         summary="speculated one layer ahead from partial keys; the top of each layer's budget",
     ),
     "dense": PolicySpec("compute", None, summary="the whole KV stays with the compute (quality reference)"),
     "full": PolicySpec("offload", None, summary="every row from the slow tier each step (full-fetch offload)"),
     "int4": PolicySpec("offload", None, "int4", summary="every row, stored group-wise 4-bit (FlexGen)"),
-    "h2o": PolicySpec("offload", "h2o", default_budget=0.1, summary="heavy hitters plus recent; evicted for good"),
-    "streaming": PolicySpec("offload", "streaming", default_budget=0.1, summary="attention sinks plus recent"),
-    "quest": PolicySpec("offload", "quest", default_budget=0.1, summary="pages ranked by a query-aware bound"),
-    "oracle": PolicySpec("offload", "oracle", default_budget=0.1, summary="true top attention mass (upper bound)"),
+    "h2o": PolicySpec(
+        "offload", "h2o", default_budget=SELECTING_BUDGET, summary="heavy hitters plus recent; evicted for good"
+    ),
+    "streaming": PolicySpec(
+        "offload", "streaming", default_budget=SELECTING_BUDGET, summary="attention sinks plus recent"
+    ),
+    "quest": PolicySpec(
+        "offload", "quest", default_budget=SELECTING_BUDGET, summary="pages ranked by a query-aware bound"
+    ),
+    "oracle": PolicySpec(
+        "offload", "oracle", default_budget=SELECTING_BUDGET, summary="true top attention mass (upper bound)"
+    ),
 }
 AGGREGATIONS = ("max", "sum", "union", "mass")
 ALLOCATIONS = ("auto", "uniform", "calibrated")
 CHANNEL_ALLOCATIONS = ("uniform", "calibrated")
 SPECULATION_INPUTS = ("previous", "fitted", "own")
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
-TIERS = ("ram", "disk", "pinned")
-EVICTIONS = ("counter", "lru", "fifo")
-ROLES = ("compute", "fetch_all", "select", "local")
 
 
 # ---------------------------------------------------------------------- field rules
-@dataclass(frozen=True)
-class Rule:
-    """What a value must satisfy beyond its type, and how to say it."""
-
-    text: str
-    ok: Callable[[Any], bool]
-
-
-def fraction(low_open: bool = True) -> Rule:
-    if low_open:
-        return Rule("a fraction in (0, 1]", lambda v: 0 < v <= 1)
-    return Rule("a fraction in [0, 1]", lambda v: 0 <= v <= 1)
-
-
-def at_least(n: float, what: str = "") -> Rule:
-    return Rule(f">= {n:g}{what}", lambda v: v >= n)
-
-
-def one_of(choices: tuple) -> Rule:
-    return Rule(f"one of {', '.join(map(str, choices))}", lambda v: v in choices)
-
-
-def knob(default: Any, help: str, rule: Rule | None = None) -> Any:
-    """A config field: its default, its help text (CLI) and its rule (validation)."""
-    meta = {"help": help, "rule": rule}
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 _ALPHA = Rule(">= 0 (inf keeps everything)", lambda v: v >= 0)
 _LAYER_ALPHA = Rule(
     "a map {layer: alpha} of integers to numbers >= 0",
@@ -113,29 +89,14 @@ _LAYER_ALPHA = Rule(
 
 
 @dataclass(frozen=True)
-class _Validated:
-    """Checks every field against its annotation and rule at construction."""
-
-    def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not _type_ok(value, hints[f.name]):
-                raise ConfigError(f"{f.name} must be {_type_text(hints[f.name])}, got {value!r}")
-            rule = f.metadata.get("rule")
-            if rule is not None and value is not None and not rule.ok(value):
-                raise ConfigError(f"{f.name} must be {rule.text}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class SelectionBudget(_Validated):
+class SelectionBudget(Validated):
     """How much a selecting policy may fetch (the oracle's only knobs)."""
 
     budget: float | None = knob(
         None,
         "fraction of the context fetched per step (the one knob): for infinigen the mean over the speculated "
         "layers, spread by `allocation` (and a cap on what passes alpha when alpha is set), for "
-        "h2o/streaming/quest/oracle what they keep (default 0.1)",
+        f"h2o/streaming/quest/oracle what they keep (default {SELECTING_BUDGET:g})",
         fraction(),
     )
     budget_tokens: int | None = knob(None, "cap on the fetched positions per KV head", at_least(1))
@@ -147,36 +108,45 @@ class SpeculationKnobs(SelectionBudget):
     layer i's query projection refitted to that input at calibration) against the partial keys;
     each layer keeps the top of its budget (`budget`, or a calibrated spread of it), an optional
     threshold alpha, and a floor. Defaults chosen on the essays, on every model measured, and
-    reported on other genres (docs/results.md, "Selection that holds on unseen text")."""
+    reported on other genres (docs/results.md, "Selection that holds on unseen text"): every
+    knob but the budget is a research switch."""
 
     alpha: float = knob(
         math.inf,
         "keep only positions whose speculated score is within alpha of the top (default inf: the budget decides; "
         "the paper's threshold, e.g. 5, allocates worse on unseen text)",
         _ALPHA,
+        advanced=True,
     )
-    partial_ratio: float = knob(0.75, "fraction r of the head dimension kept as partial channels", fraction())
+    partial_ratio: float = knob(
+        0.75, "fraction r of the head dimension kept as partial channels", fraction(), advanced=True
+    )
     aggregation: str = knob(
         "mass",
         "how a GQA group's query heads make one selection per KV head: union, max, sum or mass",
         one_of(AGGREGATIONS),
+        advanced=True,
     )
-    skew: bool = knob(True, "apply the SVD skew before choosing channels (off: plain channel choice)")
+    skew: bool = knob(True, "apply the SVD skew before choosing channels (off: plain channel choice)", advanced=True)
     calibration_tokens: int | None = knob(
-        None, "calibration length (default: the model's context, at most 8192)", at_least(16)
+        None, "calibration length (default: the model's context, at most 8192)", at_least(16), advanced=True
     )
-    min_tokens: int = knob(8, "floor on the fetched positions per KV head", at_least(1))
+    min_tokens: int = knob(8, "floor on the fetched positions per KV head", at_least(1), advanced=True)
     block_tokens: int = knob(
-        1, "select aligned blocks of this many positions (16 matches a 4 KiB disk block at d = 64)", at_least(1)
+        1,
+        "select aligned blocks of this many positions (16 matches a 4 KiB disk block at d = 64)",
+        at_least(1),
+        advanced=True,
     )
-    layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA)
+    layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA, advanced=True)
     allocation: str = knob(
         "auto",
         "how the budget is spread over the speculated layers: uniform (the same fraction each, as the oracle it "
         "is measured against), calibrated (per-layer fractions with the same mean, from the oracle recall curves "
         "in the skew artifact) or auto (whichever of the two loses less against the oracle on held-out text, "
-        "measured once per model and settings and stored in the skew artifact; `infinigen.spread`)",
+        "measured once per model at calibration and stored in the skew artifact; `infinigen.skew.choice`)",
         one_of(ALLOCATIONS),
+        advanced=True,
     )
     channel_allocation: str = knob(
         "uniform",
@@ -184,6 +154,7 @@ class SpeculationKnobs(SelectionBudget):
         "each) or calibrated (per-layer counts with that mean, from the partial-score recall measured at "
         "calibration and stored in the skew artifact)",
         one_of(CHANNEL_ALLOCATIONS),
+        advanced=True,
     )
     correction: float | None = knob(
         None,
@@ -193,14 +164,17 @@ class SpeculationKnobs(SelectionBudget):
         "out of the layer's budget: only where the speculation's attention output strays more than "
         "correction_target times the oracle's, the least top-up that brings it within",
         fraction(low_open=False),
+        advanced=True,
     )
     correction_target: float | None = knob(
         None,
         "with correction none: the multiple of the oracle's attention-output error (measured per layer at "
         "calibration) above which a layer's speculation is corrected. Default: chosen per model with the spread, "
-        f"by measurement on held-out text: the largest of {', '.join(f'{t:g}' for t in CORRECTION_TARGETS)} whose "
-        f"KL from dense is within {KL_AIM:g}x the oracle's, else the one of least KL (`infinigen.spread`)",
+        "by measurement on held-out text at calibration: the largest of the targets tried "
+        "(`skew.choice.CORRECTION_TARGETS`) whose KL from dense is within `KL_AIM` times the oracle's, else the one "
+        "of least KL",
         at_least(1),
+        advanced=True,
     )
     speculate_from: str = knob(
         "fitted",
@@ -208,22 +182,25 @@ class SpeculationKnobs(SelectionBudget):
         "fitted (layer i-1's, through layer i's query projection refitted to it at calibration; as fast as "
         "previous) or own (layer i's, not overlapped: measures what speculating from the previous layer costs)",
         one_of(SPECULATION_INPUTS),
+        advanced=True,
     )
 
 
 @dataclass(frozen=True)
 class H2OKnobs(SelectionBudget):
-    recent_ratio: float = knob(0.5, "h2o: share of the budget kept as the most recent positions", fraction(False))
+    recent_ratio: float = knob(
+        0.5, "h2o: share of the budget kept as the most recent positions", fraction(False), advanced=True
+    )
 
 
 @dataclass(frozen=True)
 class StreamingKnobs(SelectionBudget):
-    sinks: int = knob(4, "streaming: attention-sink positions kept at the start", at_least(0))
+    sinks: int = knob(4, "streaming: attention-sink positions kept at the start", at_least(0), advanced=True)
 
 
 @dataclass(frozen=True)
 class QuestKnobs(SelectionBudget):
-    page_tokens: int = knob(16, "quest: positions per page", at_least(1))
+    page_tokens: int = knob(16, "quest: positions per page", at_least(1), advanced=True)
 
 
 @dataclass(frozen=True)
@@ -236,9 +213,11 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     policy: str = knob(
         "infinigen", f"what decides the rows each step reads: {', '.join(POLICIES)}", one_of(tuple(POLICIES))
     )
-    dense_layers: int = knob(2, "first layers that are not speculated and read every row", at_least(1))
+    dense_layers: int = knob(2, "first layers that are not speculated and read every row", at_least(1), advanced=True)
     dense_layers_on_compute: bool = knob(
-        True, "keep the dense layers' KV with the compute instead of re-reading it from the slow tier"
+        True,
+        "keep the dense layers' KV with the compute instead of re-reading it from the slow tier",
+        advanced=True,
     )
     kv_dtype: str | None = knob(
         None, "storage dtype of the KV: float32, float16 or bfloat16 (default: as computed)", one_of(KV_DTYPES)
@@ -254,8 +233,9 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     io_threads: int = knob(4, "disk reads in flight", at_least(1))
     block_cache: float = knob(
         0.2,
-        "disk tier: fraction of each layer's 4 KiB blocks also kept in RAM as a read cache (lossless, least "
-        "recently used out); 0 reads every block from disk",
+        "disk tier: fraction of each layer's 4 KiB blocks also kept in RAM as a read cache (lossless; when full, "
+        "CLOCK picks the copy to drop: one read since the clock hand last passed it is spared once); 0 reads "
+        "every block from disk",
         fraction(low_open=False),
     )
     copy_engine: str = knob(
@@ -263,6 +243,7 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         "pinned tier: how rows reach the compute device: auto (CUDA side streams on a GPU), cuda, or threads "
         "(the same protocol on CPU threads, to run it without a GPU)",
         one_of(COPY_ENGINES),
+        advanced=True,
     )
     host_capacity: float | None = knob(
         None,
@@ -271,7 +252,9 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         fraction(),
     )
     eviction: str = knob("counter", "host pool victim: counter (least fetched), lru or fifo", one_of(EVICTIONS))
-    measure_recall: bool = knob(False, "also compute dense attention to report recall (evaluation only; slow)")
+    measure_recall: bool = knob(
+        False, "also compute dense attention to report recall (evaluation only; slow)", advanced=True
+    )
     compute_threads: int | None = knob(
         None,
         "torch intra-op threads while attached (default: for offloading policies one less than torch's current "
@@ -308,22 +291,22 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     def resolved_budget(self) -> float:
         return self.budget if self.budget is not None else self.spec.default_budget
 
-    def layer_role(self, layer: int, local: bool = False) -> str:
+    def layer_role(self, layer: int, local: bool = False) -> Role:
         """``compute``: the layer's whole KV stays with the compute; ``fetch_all``: it is offloaded
         and every row is read each step; ``select``: offloaded, the selector's rows are read;
         ``local``: a sliding-window layer (`local`, as the model's adapter says), whose KV is
         bounded by its window and stays with the compute under every policy — never offloaded,
         never speculated. `dense_layers` counts layers by index, local ones included."""
         if local:
-            return "local"
+            return Role.LOCAL
         spec = self.spec
         if spec.placement == "compute":
-            return "compute"
+            return Role.COMPUTE
         if spec.selector is None:
-            return "fetch_all"
+            return Role.FETCH_ALL
         if layer >= self.dense_layers:
-            return "select"
-        return "compute" if self.dense_layers_on_compute else "fetch_all"
+            return Role.SELECT
+        return Role.COMPUTE if self.dense_layers_on_compute else Role.FETCH_ALL
 
     def threads(self, current: int) -> int:
         """Intra-op threads for this config, given torch's `current` count: an offloading policy
@@ -371,117 +354,24 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         return cls(**data)
 
 
-# ---------------------------------------------------------------------- types and text
+# ---------------------------------------------------------------------- the settings, described
 def setting_fields() -> dict[str, dataclasses.Field]:
     """Every setting, by name, in declaration order (what the CLI derives its flags from)."""
     return {f.name: f for f in fields(InfiniGenConfig)}
 
 
 def setting_type(name: str) -> Any:
+    """The annotated type of setting `name`."""
     return typing.get_type_hints(InfiniGenConfig)[name]
 
 
-def _optional_inner(hint: Any) -> tuple[Any, bool]:
-    args = typing.get_args(hint)
-    if type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0], True
-    return hint, False
+def setting_default(name: str) -> Any:
+    """The library's default of setting `name` (a command may state its own)."""
+    f = setting_fields()[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    inner, optional = _optional_inner(hint)
-    if value is None:
-        return optional
-    if inner is bool:
-        return isinstance(value, bool)
-    if inner is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if inner is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    if inner is str:
-        return isinstance(value, str)
-    if typing.get_origin(inner) is dict:
-        return isinstance(value, dict) and all(_type_ok(k, int) and _type_ok(v, float) for k, v in value.items())
-    return True
-
-
-def _type_text(hint: Any) -> str:
-    inner, optional = _optional_inner(hint)
-    text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        inner, "a map of integers to numbers"
-    )
-    return text + (" or None" if optional else "")
-
-
-_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
-
-
-def parse_setting(name: str, text: str) -> Any:
-    """A setting's value from text (a CLI flag, `--set KEY=VALUE`); ConfigError names the
-    setting, what it takes, and the valid keys for an unknown one."""
-    known = setting_fields()
-    if name not in known:
-        raise ConfigError(f"unknown setting {name!r}; known: {', '.join(known)}")
-    inner, optional = _optional_inner(setting_type(name))
-    text = text.strip()
-    if optional and text.lower() in ("none", "null", "default"):
-        return None
-    try:
-        if inner is bool:
-            if text.lower() not in _TRUE + _FALSE:
-                raise ValueError(text)
-            return text.lower() in _TRUE
-        if inner is int:
-            return int(text)
-        if inner is float:
-            return float(text)
-        if typing.get_origin(inner) is dict:
-            out = {}
-            for item in filter(None, (p.strip() for p in text.split(","))):
-                key, _, value = item.partition(":")
-                out[int(key)] = float(value)
-            return out
-    except ValueError:
-        raise ConfigError(f"{name} takes {_type_text(setting_type(name))}, got {text!r}") from None
-    return text
-
-
-# ---------------------------------------------------------------------- command-line flags
-def _shown(value: Any) -> str:
-    if isinstance(value, dict):
-        return ",".join(f"{k}:{v:g}" for k, v in value.items()) or "none"
-    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def add_arguments(parser, defaults: dict[str, Any] | None = None, skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per setting (``--name-with-dashes``; booleans also ``--no-...``), with the
-    field's help and rule; `defaults` are a command's own defaults. Only the flags given end up
-    in the parsed namespace, so `from_arguments` knows what the user set."""
-    import argparse
-
-    defaults = defaults or {}
-    group = parser.add_argument_group("settings (InfiniGenConfig; 'none' restores an optional default)")
-    for name, f in setting_fields().items():
-        if name in skip:
-            continue
-        default = defaults.get(name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        text = f"{f.metadata['help']} (default: {_shown(default)})"
-        flag = "--" + name.replace("_", "-")
-        if setting_type(name) is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
-        else:
-
-            def parse(value: str, name=name):
-                try:
-                    return parse_setting(name, value)
-                except ConfigError as exc:
-                    raise argparse.ArgumentTypeError(str(exc)) from None
-
-            group.add_argument(flag, type=parse, default=argparse.SUPPRESS, metavar="X", help=text)
-
-
-def from_arguments(args, defaults: dict[str, Any] | None = None, **fixed: Any) -> InfiniGenConfig:
-    """The config of parsed flags: `fixed` over the flags given over the command's `defaults`."""
-    given = {name: getattr(args, name) for name in setting_fields() if hasattr(args, name)}
-    return InfiniGenConfig(**{**(defaults or {}), **given, **fixed})
+def advanced_settings() -> tuple[str, ...]:
+    """The research switches: the method's and the baselines' knobs, whose defaults were
+    measured; a user changes them to study the method, not to run it."""
+    return tuple(name for name, f in setting_fields().items() if f.metadata["advanced"])

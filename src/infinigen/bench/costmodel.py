@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from infinigen.speculate import channel_count
+
 GB = 1e9
 TFLOPS = 1e12
 
@@ -238,7 +240,7 @@ def _attention_seconds(hw: Hardware, m: ModelShape, batch: int, rows: float) -> 
 def _speculation_seconds(hw: Hardware, m: ModelShape, batch: int, context: int, w: Workload) -> float:
     """Partial scores over every cached position (r·d channels of K̃, in the compute dtype) and a
     top-k pass over the [B, heads, T] scores (read twice, fp32)."""
-    channels = max(1, round(w.partial_ratio * m.head_dim))
+    channels = channel_count(w.partial_ratio, m.head_dim)
     nbytes = batch * context * m.kv_heads * channels * hw.kv_compute_bytes + 2 * batch * m.heads * context * 4
     flops = 2 * batch * m.heads * context * channels
     return max(nbytes / hw.mem_bw, flops / hw.flops)
@@ -262,7 +264,7 @@ def resident_bytes(hw: Hardware, m: ModelShape, policy: str, context: int, batch
     share = {"infinigen": w.fraction, "h2o": w.h2o_budget}.get(policy, 1.0)
     partial = 0.0
     if policy == "infinigen":
-        channels = max(1, round(w.partial_ratio * m.head_dim))
+        channels = channel_count(w.partial_ratio, m.head_dim)
         partial = (m.layers - kept) * batch * context * m.kv_heads * channels * hw.kv_compute_bytes
     return weights + kept * per_layer + partial + 2 * share * per_layer
 

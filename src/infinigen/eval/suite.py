@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from infinigen.cli_settings import RUN_DEFAULTS
 from infinigen.config import POLICIES, InfiniGenConfig
 from infinigen.eval.evaluator import Evaluator, ForcedResult, Prefix
 from infinigen.eval.metrics import kl_divergence, top1_agreement
@@ -56,7 +57,7 @@ class EvalSettings:
     ruler_tasks: tuple[str, ...] | None = None  # None: every task of infinigen.eval.ruler.TASKS
     ruler_lengths: tuple[int, ...] = (4096, 8192)
     ruler_samples: int = 4
-    kv_dtype: str = "float16"
+    kv_dtype: str = RUN_DEFAULTS["kv_dtype"]  # stored as the commands store it
     base: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra InfiniGenConfig fields
 
 

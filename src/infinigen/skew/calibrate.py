@@ -23,16 +23,16 @@ from infinigen.models import ModelAdapter
 from infinigen.skew.artifact import SkewArtifact, model_fingerprint
 from infinigen.skew.channels import skew_from_qk
 from infinigen.skew.query_map import QUERY_MAP_DTYPE, apply_query_map, fit_query_map, own_projection
-from infinigen.speculate import (
+from infinigen.skew.tables import (
     CORRECTION_BUDGETS,
     CORRECTION_SHARES,
     RECALL_GRID,
     channel_grid,
     correction_error_table,
     oracle_recall_curve,
-    partial_projection,
     partial_recall_table,
 )
+from infinigen.speculate import partial_projection
 
 RECALL_QUERIES = 48  # decode positions sampled per layer for the recall curves
 
@@ -257,13 +257,13 @@ def calibrate(
     (`source`: what they are, stored as the artifact's "calibration" tag).
 
     Besides the skew, the channels and the oracle's recall curves, each layer gets the recall of
-    speculating with its top c skewed channels at a few c (`speculate.partial_recall_table`, at
+    speculating with its top c skewed channels at a few c (`tables.partial_recall_table`, at
     the same sampled positions as the recall curves): the error of a partial score is not
     spread evenly over the layers, so with `channel_allocation` "calibrated" the channels go
     where they buy the most recall, at the same mean count. And each layer but the first gets
     its query map fitted to the previous layer's input (`infinigen.skew.query_map`, for
     `speculate_from` "fitted"). And each global layer but the first gets the table from which
-    the correction is chosen per layer (`speculate.correction_error_table`, for both inputs of
+    the correction is chosen per layer (`tables.correction_error_table`, for both inputs of
     `SPECULATED_INPUTS`; knob `correction` None)."""
     t = int(input_ids.shape[-1])
     # decode positions over the last three quarters of the text: contexts from T/4 to T

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _channel_count(ratio: float, head_dim: int) -> int:
-    return max(1, min(head_dim, round(ratio * head_dim)))
+from infinigen.speculate import channel_count
 
 
 def skew_from_qk(
@@ -23,7 +21,7 @@ def skew_from_qk(
     c channels, which per-layer channel counts take)."""
     h, t, d = q.shape
     group = h // num_kv_heads
-    c = _channel_count(ratio, d)
+    c = channel_count(ratio, d)
     skews, chans, orders = [], [], []
     for g in range(num_kv_heads):
         qg = q[g * group : (g + 1) * group].reshape(-1, d).to(torch.float64)  # group queries stacked
