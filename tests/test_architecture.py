@@ -72,10 +72,50 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 
 # What each part of the package must never depend on, directly or through another module.
 FORBIDDEN = {
+    # The config is the top of the rules: it declares the settings with the validation rules and may
+    # consult storage's; it knows no command line, no math, model, selector or calibration.
+    "infinigen.config": (
+        "infinigen.cli",
+        "infinigen.speculate",
+        "infinigen.models",
+        "infinigen.select",
+        "infinigen.skew",
+        "infinigen.attach",
+        "infinigen.cache",
+        "infinigen.layers",
+    ),
+    # How a setting states and checks its rule, for any settings: it declares none of them.
+    "infinigen.validation": ("infinigen.config", "infinigen.cli", "infinigen.storage", "infinigen.speculate"),
     "infinigen.speculate": ("transformers", "infinigen."),
+    # Calibration's tables are tensor math over captured queries and keys: they know no model family,
+    # neither the run that captures them nor the artifact that stores them.
+    "infinigen.skew.tables": (
+        "infinigen.models",
+        "infinigen.skew.calibrate",
+        "infinigen.skew.artifact",
+        "infinigen.skew.query_map",
+    ),
     "infinigen.storage": ("infinigen.select", "infinigen.attention", "infinigen.layers", "infinigen.cache"),
     "infinigen.select": ("infinigen.cache", "infinigen.layers", "infinigen.attach", "infinigen.attention"),
     "infinigen.layers": ("infinigen.cache", "infinigen.attach"),
+    # A layer's transfers and counters know tiers and selections, not who selects or attends.
+    "infinigen.transfer": (
+        "infinigen.select",
+        "infinigen.layer_selector",
+        "infinigen.layers",
+        "infinigen.attention",
+        "infinigen.cache",
+        "infinigen.attach",
+    ),
+    # The selector's calls for one layer, shared by the decode path and the forced evaluator.
+    "infinigen.layer_selector": (
+        "infinigen.transfer",
+        "infinigen.layers",
+        "infinigen.attention",
+        "infinigen.cache",
+        "infinigen.attach",
+    ),
+    "infinigen.roles": ("infinigen.",),
     "infinigen.cache": ("infinigen.attach",),
     "infinigen.models": ("infinigen.cache", "infinigen.layers", "infinigen.attach", "infinigen.select"),
     "infinigen.skew": ("infinigen.cache", "infinigen.layers", "infinigen.attach", "infinigen.select"),
@@ -92,6 +132,34 @@ FORBIDDEN = {
     ),
     "infinigen.growing": ("infinigen.",),
 }
+
+
+# The runtime only reads what calibration decided: nothing it runs on imports the evaluation or
+# the calibration step that uses it.
+RUNTIME = (
+    "infinigen.attach",
+    "infinigen.cache",
+    "infinigen.layers",
+    "infinigen.transfer",
+    "infinigen.layer_selector",
+    "infinigen.roles",
+    "infinigen.attention",
+    "infinigen.select",
+    "infinigen.storage",
+    "infinigen.skew",
+    "infinigen.models",
+    "infinigen.speculate",
+    "infinigen.config",
+    "infinigen.kernels",
+)
+
+
+@pytest.mark.parametrize("part", RUNTIME)
+def test_the_runtime_does_not_import_evaluation_or_calibration(part):
+    graph = import_graph()
+    for mod in [m for m in graph if m == part or m.startswith(part + ".")]:
+        hits = sorted(r for r in _reach(graph, mod) if r.startswith(("infinigen.eval", "infinigen.calibration")))
+        assert not hits, f"{mod} depends on {hits}"
 
 
 @pytest.mark.parametrize("part", sorted(FORBIDDEN))

@@ -6,8 +6,9 @@ Public API: `InfiniGenConfig`, `attach` (a context manager that returns a `Sessi
 and `cache.summary()`.
 """
 
-from infinigen.attach import Session, attach
+from infinigen.attach import Session
 from infinigen.cache import ContextTooLongError, InfiniGenCache
+from infinigen.calibration import attach
 from infinigen.config import POLICIES, ConfigError, InfiniGenConfig
 from infinigen.models import UnsupportedModelError
 from infinigen.skew import SkewArtifact, SkewArtifactError

@@ -1,6 +1,8 @@
-"""`with infinigen.attach(model, config) as session:` — the only code that changes a model.
+"""The attach session — the only code that changes a model (`infinigen.attach`, in
+`infinigen.calibration`, calibrates the model if needed and returns one).
 
-Attaching loads (or calibrates) the skew artifact, registers the "infinigen" attention function,
+A session reads a complete skew artifact (it never calibrates or measures: an artifact for
+another configuration comes from the `source` it was given), registers the "infinigen" attention function,
 sets it as the model's attention implementation, adds one forward pre-hook per attention module,
 folds the skew into the weights of models without RoPE (OPT), wraps `model.generate` so that a
 plain call uses a fresh `InfiniGenCache`; during a decode step it sets torch's intra-op threads
@@ -20,10 +22,8 @@ cache object to the attention function. State lives in the cache, never on the m
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,12 +31,14 @@ from torch import nn
 from infinigen.attention import ATTN_NAME, register_attention
 from infinigen.cache import InfiniGenCache, SessionCache
 from infinigen.config import InfiniGenConfig
-from infinigen.eval.spread_choice import measure as measure_spread
+from infinigen.layers import AttendObserver
 from infinigen.models import ModelAdapter, get_adapter
-from infinigen.select import Selector, make_selector
-from infinigen.skew import SkewArtifact, SkewArtifactWarning, calibration_length, model_fingerprint, obtain_artifact
+from infinigen.select import NotCalibratedError, Selector, make_selector
+from infinigen.skew import SkewArtifact, calibration_length
 from infinigen.skew.artifact import needs_of
-from infinigen.spread import needs_measuring, settings_key, stored_choice
+
+# Makes the complete artifact of a configuration the session does not hold yet (may calibrate).
+ArtifactSource = Callable[["Session", InfiniGenConfig], SkewArtifact]
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Session] = weakref.WeakKeyDictionary()
 
@@ -48,11 +50,16 @@ class Session:
         self,
         model: nn.Module,
         config: InfiniGenConfig | None = None,
-        skew: SkewArtifact | str | Path | None = None,
+        *,
+        artifact: SkewArtifact | None = None,
         tokenizer=None,
-        cache_dir: str | Path | None = None,
-        progress: bool = True,
+        source: ArtifactSource | None = None,
+        observer_for: Callable[[InfiniGenConfig], AttendObserver | None] | None = None,
     ) -> None:
+        """artifact: the complete skew artifact of `config` (policy infinigen), verified by whoever
+        made it; source: what makes the artifact of another configuration (`calibration.Calibrator`);
+        without one, such a configuration is refused. observer_for: what watches a new cache's
+        attention for a config (recall, `measure_recall`: measured by the evaluation, above)."""
         if model in _ATTACHED:
             raise RuntimeError(
                 "this model is already attached to an infinigen session: leave that `with` block "
@@ -63,15 +70,18 @@ class Session:
         self.adapter: ModelAdapter = get_adapter(model)  # raises for unsupported families
         self.tokenizer = tokenizer
         self.last_cache: InfiniGenCache | None = None
-        self._cache_dir, self._progress = cache_dir, progress
-        self._given_skew = skew
+        self._source = source
+        self._observer_for = observer_for
         self._artifacts: dict[tuple, SkewArtifact] = {}
         self._undo: list[Callable[[], None]] = []
         self.folded = False
         self.config.check_layers(self.adapter.num_layers)
-        self.fingerprint = model_fingerprint(model)
         self._threads = torch.get_num_threads()  # restored on detach; prefills always use them
-        self.artifact = self._artifact_for(self.config) if self.config.spec.selector == "infinigen" else None
+        if self.config.spec.selector == "infinigen" and artifact is None:
+            raise ValueError("a session of the infinigen policy needs its skew artifact: use `infinigen.attach`")
+        self.artifact = artifact
+        if artifact is not None:
+            self.hold(self.config, artifact)
         try:
             self._change_model()
         except BaseException:
@@ -167,77 +177,45 @@ class Session:
         if not self.attached:
             raise RuntimeError("this session is detached: attach the model again to make a cache")
         config = config or self.config
-        return InfiniGenCache(config, self.adapter, self.selector_for(config), max_length=max_length, trace=trace)
+        observer = self._observer_for(config) if self._observer_for is not None else None
+        return InfiniGenCache(
+            config, self.adapter, self.selector_for(config), max_length=max_length, trace=trace, observer=observer
+        )
 
     def selector_for(self, config: InfiniGenConfig) -> Selector | None:
         """The selector of `config` in this session (None for a policy that reads every row)."""
         config.check_layers(self.adapter.num_layers)
         artifact = self._artifact_for(config) if config.spec.selector == "infinigen" else None
-        if artifact is not None and needs_measuring(config) and stored_choice(artifact, config) is None:
-            self._measure_spread(artifact, config)
         return make_selector(config, self.adapter, artifact, folded=self.folded)
 
-    def _measure_spread(self, artifact: SkewArtifact, config: InfiniGenConfig) -> None:
-        """Choose the budget's spread for `config` (allocation "auto") by measuring it on this
-        model, and keep the choice in the artifact: saved with a cached one, so that it is made
-        once per model and settings; a given artifact's file is left as it is (`infinigen skew`
-        stores the defaults' choice in the files it writes)."""
-        if not self.attached:
-            raise RuntimeError("this session is detached: attach the model again to choose the budget spread")
-        choice = measure_spread(self, config, progress=self._progress)
-        artifact.meta[settings_key(config)] = choice.to_json()
-        if artifact.origin is not None:
-            try:
-                artifact.save(artifact.origin)
-            except OSError as exc:
-                warnings.warn(
-                    f"could not save the budget spread's choice to {artifact.origin} ({exc.strerror or exc}); "
-                    "it will be measured again next time",
-                    SkewArtifactWarning,
-                    stacklevel=3,
-                )
+    def hold(self, config: InfiniGenConfig, artifact: SkewArtifact) -> None:
+        """Serve `config`'s skew settings from `artifact` from now on."""
+        self._artifacts[self._key(config)] = artifact
+
+    def _key(self, config: InfiniGenConfig) -> tuple:
+        return (*config.skew_key()[:2], calibration_length(config.calibration_tokens, self.adapter))
 
     def _artifact_for(self, config: InfiniGenConfig) -> SkewArtifact:
-        key = (round(config.partial_ratio, 6), config.skew, calibration_length(config.calibration_tokens, self.adapter))
+        key = self._key(config)
         art = self._artifacts.get(key)
         if art is not None:
-            if art.serves(**needs_of(config)):
+            missing = art.lacks(**needs_of(config))
+            if not missing:
                 return art
-            if self._given_skew is not None or self.folded:  # cannot be replaced: refused, saying why
-                art.verify(
-                    self.fingerprint, config.partial_ratio, config.skew, self.adapter.num_layers, **needs_of(config)
-                )
-            del self._artifacts[key]  # an older cached file without the tables or maps: recalibrate it
-        if self._artifacts and (self._given_skew is not None or self.folded):
-            why = "the given skew artifact" if self._given_skew is not None else "the skew folded into its weights"
+            if self._source is None or self.folded:
+                raise ValueError(f"this session's skew artifact {missing}: calibrate it again (`infinigen skew`)")
+            del self._artifacts[key]  # an older artifact without that table: its source remakes it
+        if self.folded:  # the weights carry one artifact's skew: no other can be used with them
             raise ValueError(
-                f"this session uses {why} (partial_ratio, skew, calibration tokens = {next(iter(self._artifacts))}); "
-                f"the configuration asks for {key}: attach again with that configuration"
+                f"this session uses the skew folded into its weights (partial_ratio, skew, calibration tokens = "
+                f"{next(iter(self._artifacts))}); the configuration asks for {key}: attach again with that configuration"
             )
-        art = obtain_artifact(
-            self.model, self.adapter, self.fingerprint, config, self._given_skew, self.tokenizer, self._cache_dir,
-            self._progress,
-        )  # fmt: skip
-        self._artifacts[key] = art
-        return art
-
-
-def attach(
-    model: nn.Module,
-    config: InfiniGenConfig | None = None,
-    *,
-    skew: SkewArtifact | str | Path | None = None,
-    tokenizer=None,
-    cache_dir: str | Path | None = None,
-    progress: bool = True,
-) -> Session:
-    """Attach InfiniGen to `model` (see the module docstring) and return the session; use it as a
-    context manager (``with attach(model, cfg) as session:``), or call `session.detach()`.
-
-    skew: an artifact or its path (default: cached under `cache_dir`, else calibrated on the
-    default calibration text of prose and code, with `tokenizer`, and saved); progress: show
-    calibration progress."""
-    return Session(model, config, skew=skew, tokenizer=tokenizer, cache_dir=cache_dir, progress=progress)
+        if self._source is None:
+            raise NotCalibratedError(
+                f"this session holds no skew artifact for (partial_ratio, skew, calibration tokens) = {key}: "
+                "attach with `infinigen.attach`, which calibrates on first use"
+            )
+        return self._source(self, config)
 
 
 def new_token_validity(attention_mask: torch.Tensor | None, x: torch.Tensor, past: int) -> torch.Tensor:

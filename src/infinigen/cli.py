@@ -1,6 +1,6 @@
 """`infinigen generate | demo | skew | eval | bench decode`.
 
-Every setting flag is derived from `InfiniGenConfig` (`infinigen.config.add_arguments`), so each
+Every setting flag is derived from `InfiniGenConfig` (`infinigen.cli_settings.add_arguments`), so each
 command reaches every setting; a command only states its own defaults.
 
 Every failure ends as one line on stderr and a non-zero exit (`report`): 2 for what the user
@@ -21,24 +21,12 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from infinigen.config import (
-    POLICIES,
-    ConfigError,
-    InfiniGenConfig,
-    SpeculationKnobs,
-    add_arguments,
-    from_arguments,
-    parse_setting,
-    setting_fields,
-)
+from infinigen.cli_settings import DISK_DEFAULTS, RUN_DEFAULTS, add_arguments, from_arguments, parse_setting
+from infinigen.config import POLICIES, ConfigError, InfiniGenConfig, setting_fields
 from infinigen.errors import InfiniGenError, InputError
-from infinigen.spread import KL_AIM, needs_measuring, resolve_measured, stored_choice
 
 DEMO_PROMPT = "areopagitica_opening.txt"
 DEMO_PROMPT_TOKENS = 8000  # near SmolLM2's 8192 positions: the long context the method is for
-# What the commands that run a model store their KV in by default (the library keeps the
-# compute dtype): 16-bit storage, compute in fp32.
-RUN_DEFAULTS = {"kv_dtype": "float16"}
 # Settings `infinigen eval` sets itself for every run; `--set` may override any other.
 EVAL_FIXED = ("policy", "alpha", "budget")
 SUITES = ("ppl", "passkey", "needle", "sensitivity", "variants", "ruler")
@@ -149,7 +137,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from infinigen.generation import run_generation
     from infinigen.loading import load_model
 
-    config = from_arguments(args, {**RUN_DEFAULTS, "tier": "disk"}, policy="infinigen")
+    config = from_arguments(args, DISK_DEFAULTS, policy="infinigen")
     model, tok = load_model(args.model, progress=not args.quiet)
     if args.prompt is None and args.prompt_file is None:
         prompt, source = demo_prompt_of(tok, args.prompt_tokens), "Milton, Areopagitica (1644)"
@@ -206,96 +194,21 @@ def demo_prompt_of(tokenizer, tokens: int) -> str:
 
 
 def cmd_skew(args: argparse.Namespace) -> int:
+    """Calibrate a model now (the skew, its tables and the measured choice) and report on it."""
+    from infinigen.calibration import calibrate_to_file, report
     from infinigen.loading import load_model
-    from infinigen.models import get_adapter
-    from infinigen.paths import default_cache_dir
-    from infinigen.skew import (
-        artifact_path,
-        calibrate,
-        calibration_ids,
-        calibration_length,
-        calibration_text,
-        collect_qk,
-        default_calibration_source,
-        model_fingerprint,
-        query_mass_in_channels,
-        skew_from_qk,
-        text_calibration_source,
-    )
 
     config = from_arguments(args, RUN_DEFAULTS, policy="infinigen")
-    text = None
-    if args.calibration_file:
-        text = read_text_file(args.calibration_file, "calibration file")
+    text = read_text_file(args.calibration_file, "calibration file") if args.calibration_file else None
     model, tok = load_model(args.model, progress=not args.quiet)
-    adapter = get_adapter(model)
-    tokens = calibration_length(config.calibration_tokens, adapter)
-    ids = calibration_ids(tok, tokens, text)
-    fp = model_fingerprint(model)
-    source = default_calibration_source() if text is None else text_calibration_source(text)
-    art = calibrate(model, adapter, ids, config.partial_ratio, config.skew, fp, progress=not args.quiet, source=source)
-    out = (
-        Path(args.output)
-        if args.output
-        else artifact_path(default_cache_dir(), model.config.model_type, fp, config.partial_ratio, config.skew, tokens)
-    )
-    if needs_measuring(config):  # the defaults' budget spread, measured now and stored with the artifact
-        from infinigen.attach import attach
-
-        with attach(model, config, skew=art, tokenizer=tok, progress=not args.quiet) as session:
-            session.selector_for(config)
-    art.save(out)
-    print(f"skew artifact: {out}  ({adapter.num_layers} layers, {tokens} calibration tokens, r={config.partial_ratio})")
-    choice = stored_choice(art, config)
-    if choice is not None:
-        measured = ", ".join(f"{name} {ratio:.2f}" for name, ratio in sorted(choice.kl_ratio.items()))
-        print(
-            f"budget spread (allocation auto, budget {config.resolved_budget:g}): {choice.choice}; KL as a multiple "
-            f"of the oracle's on held-out text: {measured} ({choice.windows} windows of {choice.context} tokens)"
-        )
-        if choice.correction_target is not None:
-            measured = ", ".join(f"{t} {ratio:.2f}" for t, ratio in choice.target_kl_ratio.items())
-            print(
-                f"correction target (left unset): {choice.correction_target:g}; KL as a multiple of the oracle's "
-                f"on the same text, by target: {measured} (the least correction within {KL_AIM:g}x is kept)"
-            )
-    # Report the query mass held by the partial channels, skewed vs not, on held-out text: the
-    # essay's opening (the default calibrates on its end), or the first half of the user's text.
-    held_text = text[: len(text) // 2] if text is not None else None
-    if held_text is None:
-        held = tok(calibration_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, : min(1024, tokens)]
-    else:
-        held = calibration_ids(tok, min(1024, tokens), text=held_text)
-    qs, ks = collect_qk(model, adapter, held, progress=False)
-    rows = []
-    for i in range(adapter.num_layers):
-        _, c_plain = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, config.partial_ratio, skewed=False)
-        rows.append(
-            (query_mass_in_channels(qs[i], None, c_plain), query_mass_in_channels(qs[i], art.skews[i], art.channels[i]))
-        )
-    mean_p = sum(r[0] for r in rows) / len(rows)
-    mean_s = sum(r[1] for r in rows) / len(rows)
+    art, out = calibrate_to_file(model, tok, config, args.output, text=text, progress=not args.quiet)
     print(
-        f"query mass (Σq²) in the top-{config.partial_ratio:.0%} channels, mean over layers: "
-        f"unskewed {mean_p:.3f}, skewed {mean_s:.3f}"
+        f"skew artifact: {out}  ({len(art.channels)} layers, {art.calibration_tokens} calibration tokens, "
+        f"r={config.partial_ratio})"
     )
-    print(_correction_report(config.replace(policy="infinigen"), adapter, art))
+    for line in report(model, tok, config, art, text):
+        print(line)
     return 0
-
-
-def _correction_report(config: InfiniGenConfig, adapter, artifact) -> str:
-    """Which layers the correction tops up at the configured budget, and by how much."""
-    from infinigen.select import corrections_chosen
-
-    chosen = corrections_chosen(config, adapter, artifact)
-    target = resolve_measured(config.knobs(SpeculationKnobs), artifact, config).correction_target
-    how = (
-        f"chosen per layer: above {target:g}x the oracle's output error"
-        if config.correction is None
-        else f"{config.correction:g} everywhere"
-    )
-    layers = ", ".join(f"{i}: {c:.1%}" for i, c in sorted(chosen.items())) or "none"
-    return f"correction at a {config.resolved_budget:.0%} budget ({how}): top-ups of the context by layer: {layers}"
 
 
 # ---------------------------------------------------------------------- eval
@@ -313,7 +226,6 @@ def _names(text: str) -> tuple[str, ...]:
 
 def eval_overrides(items: list[str]) -> dict:
     """`--set KEY=VALUE` strings -> settings, typed and validated before any model loads."""
-    from infinigen.config import InfiniGenConfig
 
     settable = [name for name in setting_fields() if name not in EVAL_FIXED]
     out: dict = {}
@@ -333,7 +245,6 @@ def eval_overrides(items: list[str]) -> dict:
 def eval_variants(items: list[str]) -> tuple[tuple[str, dict], ...] | None:
     """`--variant "LABEL:KEY=VALUE KEY=VALUE"` strings -> (label, settings), validated before any
     model loads; None when none is given (the variants suite's own list)."""
-    from infinigen.config import InfiniGenConfig
 
     out = []
     for item in items:
@@ -503,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--prompt-tokens", type=int, default=DEMO_PROMPT_TOKENS, help="length of the shipped prompt (tokens)"
     )
-    add_arguments(d, {**RUN_DEFAULTS, "tier": "disk"}, skip=("policy",))
+    add_arguments(d, DISK_DEFAULTS, skip=("policy",))
     _debug_flag(d)
     d.set_defaults(func=cmd_demo)
 

@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from infinigen.config import InfiniGenConfig, add_arguments, from_arguments
+from infinigen.cli_settings import DISK_DEFAULTS, add_arguments, from_arguments
+from infinigen.config import POLICIES, InfiniGenConfig
 from infinigen.provenance import commit, machine
 
 DEFAULT_POLICIES = ("dense", "dense-hf", "full", "infinigen")
-# The benchmark's own defaults: the KV on disk, stored in 16 bits.
-BENCH_DEFAULTS = {"tier": "disk", "kv_dtype": "float16"}
 
 
 # ---------------------------------------------------------------------- prefill (parent)
@@ -96,7 +95,7 @@ def run_child(args: argparse.Namespace) -> dict:
 
     from safetensors import safe_open
 
-    from infinigen.attach import attach
+    from infinigen.calibration import attach
     from infinigen.loading import load_model
     from infinigen.models import get_adapter
 
@@ -248,25 +247,33 @@ def _fmt_table(rows: list[dict]) -> str:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
+    """Per batch size, decode tokens/s and the decode phase's peak RSS (model weights included)
+    against the context, one line per policy, with dense's KV size for scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.2), squeeze=False)
-    for ax, b in zip(axes[0], batches):
-        for policy in dict.fromkeys(r["policy"] for r in rows):
-            pts = sorted((r["context"], r["tokens_per_s"]) for r in rows if r["policy"] == policy and r["batch"] == b)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"batch {b}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("decode throughput, KV in the slow tier (measured on this machine)")
+    fig, axes = plt.subplots(len(batches), 2, figsize=(11, 4 * len(batches)), squeeze=False)
+    for (speed, memory), b in zip(axes, batches):
+        here = [r for r in rows if r["batch"] == b]
+        for policy in dict.fromkeys(r["policy"] for r in here):
+            pts = sorted((r["context"], r["tokens_per_s"], r["peak_rss_bytes"]) for r in here if r["policy"] == policy)
+            xs = [p[0] for p in pts]
+            speed.plot(xs, [p[1] for p in pts], marker="o", label=policy)
+            memory.plot(xs, [p[2] / 2**20 for p in pts], marker="o", label=policy)
+        kv = sorted({(r["context"], r["kv_cache_bytes"]) for r in here})
+        memory.plot([c for c, _ in kv], [k / 2**20 for _, k in kv], ls="--", color="gray", label="dense's KV alone")
+        speed.set_ylabel("decode tokens/s")
+        memory.set_ylabel("peak RSS while decoding (MiB, weights included)")
+        for ax in (speed, memory):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (tokens)")
+            ax.set_title(f"batch {b}")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.suptitle("decode speed and memory against context (measured on this machine)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -276,13 +283,12 @@ def policy_configs(args: argparse.Namespace, policies: list[str]) -> list[tuple[
     """(row name, config) per policy from the flags. A policy whose storage format the chosen
     tier cannot hold (int4 keeps its packed KV in host RAM) runs on the RAM tier, and its row
     says so; `dense-hf` is the unmodified model with transformers' DynamicCache."""
-    from infinigen.config import POLICIES
     from infinigen.storage import check_combination
 
     unknown = [p for p in policies if p not in POLICIES and p not in ROW_NAMES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; available: {', '.join([*POLICIES, *ROW_NAMES])}")
-    base = from_arguments(args, BENCH_DEFAULTS, policy="infinigen")
+    base = from_arguments(args, DISK_DEFAULTS, policy="infinigen")  # the KV on disk, stored in 16 bits
     out = []
     for p in policies:
         if p == HF_DENSE:
@@ -326,7 +332,7 @@ def _median_run(runs: list[dict]) -> dict:
 def run_parent(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from infinigen.attach import attach
+    from infinigen.calibration import attach
     from infinigen.loading import load_model
 
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -432,8 +438,8 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
-        help="comma list: dense, dense-hf (transformers' DynamicCache), full, infinigen, h2o, streaming, "
-        "int4 (RAM tier), quest, oracle",
+        help=f"comma list of {', '.join([*POLICIES, *ROW_NAMES])} ({HF_DENSE}: transformers' DynamicCache; "
+        "int4 runs on the RAM tier)",
     )
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument(
@@ -443,7 +449,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N", help="print the top N functions of a decode profile per run"
     )
-    add_arguments(ap, BENCH_DEFAULTS, skip=("policy",))
+    add_arguments(ap, DISK_DEFAULTS, skip=("policy",))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kv-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config-json", default=None, help=argparse.SUPPRESS)

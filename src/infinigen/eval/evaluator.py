@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from infinigen.attach import Session, attach
+from infinigen.attach import Session
+from infinigen.calibration import attach
 from infinigen.config import InfiniGenConfig
 from infinigen.eval.forced import ForcedResult, ForcedRunner, Prefix
 

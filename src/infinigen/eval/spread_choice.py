@@ -1,10 +1,11 @@
-"""The measurement that chooses the budget's spread (allocation "auto") and the correction target
-(left unset) per model (`infinigen.spread`): each candidate teacher-forced on held-out text
-through the session that asks, against dense and the oracle at the same budget."""
+"""The measurement by which calibration chooses the budget's spread and the correction target per
+model (`infinigen.skew.choice` has the rule and the record): each candidate teacher-forced on
+held-out text through an attached session, against dense and the oracle at the same budget."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -14,7 +15,7 @@ from infinigen.eval.forced import ForcedRunner, Prefix
 from infinigen.eval.metrics import kl_divergence
 from infinigen.skew import calibration_length, calibration_text
 from infinigen.skew.calibrate import stdlib_source
-from infinigen.spread import KL_AIM, SPREADS, TARGETS, SpreadChoice, choose_target, target_left
+from infinigen.skew.choice import CORRECTION_TARGETS, KL_AIM, SPREADS, MeasuredChoice, choose_target
 
 # Each held-out window is as long as the calibration (the model's context, at most 8192 tokens by
 # default): the length the skew is fitted for. Shorter windows understate the loss at it (Gemma-3-270m,
@@ -69,12 +70,15 @@ class _HeldOut:
         """Per candidate (key -> config), its KL from dense as a multiple of the oracle's, mean over
         the windows. A window where the oracle's KL is zero compares the KL (+1, so that the ratio
         stays defined)."""
-        self.bar.total += len(self.windows) * len(candidates) + (0 if self.dense else 2 * len(self.windows))
-        self.bar.refresh()
         out: dict = {key: [] for key in candidates}
         for w, ids in enumerate(self.windows):
             t0 = ids.shape[0] - self.scored
-            prefix = self.kept.get(w) or self.runner.prefill(ids[:t0][None])
+            prefix = self.kept.get(w)
+            if prefix is None:
+                self.bar.set_postfix_str(f"prefill of window {w + 1}")
+                prefix = self.runner.prefill(ids[:t0][None])
+                self.bar.update(1)
+                self.bar.set_postfix_str("")
             chunk = ids[t0:][None]
             if w == len(self.dense):
                 self.dense.append(self.runner.run(prefix, chunk, InfiniGenConfig(policy="dense")).logits[0])
@@ -102,35 +106,52 @@ def _cache_bytes(prefix: Prefix) -> int:
     return sum(t.nbytes for layer in prefix.cache.layers for t in (layer.keys, layer.values) if torch.is_tensor(t))
 
 
+def runs_needed(windows: int, spreads: int = len(SPREADS)) -> int:
+    """The progress bar's steps of a measurement that needs no stricter target: per window its
+    prefill, dense, the oracle and each spread (each stricter target run adds a step per window)."""
+    return windows * (3 + spreads)
+
+
 @torch.no_grad()
-def measure(session, config: InfiniGenConfig, progress: bool = True) -> SpreadChoice:
-    """Teacher-force the candidates of `config` on the held-out windows through `session` (an
-    attached session of the model) and keep what `infinigen.spread` says: the spread with the
-    smaller KL as a multiple of the oracle's (at the least correction, or the target given),
-    then, where the target is left unset, the least correction within the aim."""
+def measure(session, config: InfiniGenConfig, progress: bool = True) -> MeasuredChoice:
+    """Teacher-force the candidates on the held-out windows through `session` (an attached session
+    of the model), every setting but the spread and the target as `config` has them, and keep what
+    `infinigen.skew.choice` says: the spread with the smaller KL as a multiple of the oracle's (at
+    the least correction), then the least correction within the aim."""
+    started = time.perf_counter()
     adapter = session.adapter
     length = min(calibration_length(config.calibration_tokens, adapter), adapter.max_positions)
     scored = min(SCORED, max(length // 4, 1))
     windows = held_out_ids(session.tokenizer, session.model.config.vocab_size, length)
-    first = config.correction_target if config.correction_target is not None else TARGETS[0]
-    spreads = SPREADS if config.allocation == "auto" else (config.allocation,)
+    first = CORRECTION_TARGETS[0]
     oracle = config.replace(policy="oracle", budget=config.resolved_budget)
-    what = "choosing the budget spread" if len(spreads) > 1 else "choosing the correction target"
-    bar = tqdm(total=0, desc=what, unit="run", disable=not progress, leave=False)
+    bar = tqdm(
+        total=runs_needed(len(windows)),
+        desc="choosing the budget spread and correction target",
+        unit="run",
+        disable=not progress,
+        leave=False,
+    )
     held = _HeldOut(session, windows, scored, oracle, bar)
-    mean = held.ratios({name: config.replace(allocation=name, correction_target=first) for name in spreads})
-    best = min(spreads, key=mean.__getitem__)  # the first of equals: uniform
+    mean = held.ratios({name: config.replace(allocation=name, correction_target=first) for name in SPREADS})
+    best = min(SPREADS, key=mean.__getitem__)  # the first of equals: uniform
     if any(math.isnan(v) for v in mean.values()):
-        best = spreads[0]
-    target, by_target = None, {}
-    if target_left(config):
-        by_target = {first: mean[best]}
-        if not mean[best] <= KL_AIM:
-            bar.set_description("choosing the correction target")
-            by_target.update(_stricter_targets(session, held, config.replace(allocation=best), by_target))
-        target = choose_target(by_target)
+        best = SPREADS[0]
+    by_target = {first: mean[best]}
+    if not mean[best] <= KL_AIM:
+        by_target.update(_stricter_targets(session, held, config.replace(allocation=best), by_target))
     bar.close()
-    return SpreadChoice(best, mean, length, scored, len(windows), target, {f"{t:g}": r for t, r in by_target.items()})
+    return MeasuredChoice(
+        allocation=best,
+        correction_target=choose_target(by_target),
+        kl_ratio=mean,
+        target_kl_ratio={f"{t:g}": r for t, r in by_target.items()},
+        context=length,
+        scored=scored,
+        windows=len(windows),
+        budget=config.resolved_budget,
+        seconds=round(time.perf_counter() - started, 1),
+    )
 
 
 def _stricter_targets(session, held: _HeldOut, config: InfiniGenConfig, measured: dict[float, float]) -> dict:
@@ -138,13 +159,16 @@ def _stricter_targets(session, held: _HeldOut, config: InfiniGenConfig, measured
     target's already measured (equal top-ups select the same positions: the same KL)."""
     seen = {_top_ups(session, config.replace(correction_target=t)): t for t in measured}
     runs, same = {}, {}
-    for t in TARGETS[1:]:
+    for t in CORRECTION_TARGETS[1:]:
         key = _top_ups(session, config.replace(correction_target=t))
         if key in seen:
             same[t] = seen[key]
         else:
             seen[key] = t
             runs[t] = config.replace(correction_target=t)
+    if runs:
+        held.bar.total += len(held.windows) * len(runs)
+        held.bar.refresh()
     out = held.ratios(runs) if runs else {}
     for t, twin in same.items():
         out[t] = measured[twin] if twin in measured else out[twin]

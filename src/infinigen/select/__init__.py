@@ -7,9 +7,12 @@ signature (`Selector.select(state, layer, query, past, valid) -> Selection`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from infinigen.config import POLICIES, InfiniGenConfig
+from infinigen.roles import Role
 from infinigen.select.base import Selector
 from infinigen.select.h2o import H2OSelector
 from infinigen.select.infinigen import (
@@ -24,7 +27,7 @@ from infinigen.select.infinigen import (
 from infinigen.select.oracle import OracleSelector
 from infinigen.select.quest import QuestSelector
 from infinigen.select.streaming import StreamingSelector
-from infinigen.spread import needs_measuring, resolve_measured, stored_choice
+from infinigen.skew.choice import CORRECTION_TARGETS, SPREADS, stored_choice
 
 SELECTORS: dict[str, type[Selector]] = {
     cls.name: cls for cls in (InfiniGenSelector, H2OSelector, StreamingSelector, QuestSelector, OracleSelector)
@@ -42,6 +45,7 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
     if cls is InfiniGenSelector:
         if artifact is None:
             raise ValueError("the infinigen selector needs the skew artifact of an attach session")
+        measured = stored_choice(artifact) if reads_choice(config) else None
         knobs = resolve_measured(knobs, artifact, config)
         selecting = selecting_layers(config, adapter)
         counts = layer_channels_from_artifact(artifact, knobs, selecting, adapter.head_dim)
@@ -52,17 +56,58 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
         maps = query_maps_from_artifact(artifact, knobs, selecting, adapter.num_heads, folded, devices)
         return InfiniGenSelector(
             knobs, adapter, projections, budgets, selecting, maps, config.storage_dtype(), corrections,
-            stored_choice(artifact, config) if needs_measuring(config) else None,
+            measured,
         )  # fmt: skip
     if cls is OracleSelector:
         return OracleSelector(knobs, adapter, kv_dtype=config.storage_dtype())
     return cls(knobs, adapter)
 
 
+class NotCalibratedError(ValueError):
+    """The artifact lacks the calibration's measured choice that a setting left to it reads."""
+
+
+def reads_choice(config: InfiniGenConfig) -> bool:
+    """Whether `config` reads the calibration's measured choice: InfiniGen below the whole context
+    with the spread left to it ("auto"), or the correction target left to it (unset, with the
+    correction chosen per layer from a speculation that has something to correct)."""
+    return (
+        config.policy == "infinigen"
+        and config.resolved_budget < 1.0
+        and (config.allocation == "auto" or _target_left(config))
+    )
+
+
+def _target_left(knobs) -> bool:
+    return knobs.correction_target is None and knobs.correction is None and knobs.speculate_from != "own"
+
+
+def resolve_measured(knobs, artifact, config: InfiniGenConfig):
+    """`knobs` with allocation "auto" and the unset correction target replaced by the values the
+    calibration measured and stored in `artifact` (`infinigen.skew.choice`) where `config` reads
+    them (`reads_choice`), else by the uniform spread and the least correction."""
+    spread, target = SPREADS[0], CORRECTION_TARGETS[0]
+    if reads_choice(config):
+        choice = stored_choice(artifact)
+        if choice is None:
+            raise NotCalibratedError(
+                "this skew artifact holds no measured budget spread and correction target (allocation 'auto', "
+                "correction_target unset): calibrate it with `infinigen skew`, or attach with `infinigen.attach`, "
+                f"which calibrates on first use; or set allocation to one of {', '.join(SPREADS)} and "
+                "correction_target to a number"
+            )
+        spread, target = choice.allocation, choice.correction_target
+    return replace(
+        knobs,
+        allocation=spread if knobs.allocation == "auto" else knobs.allocation,
+        correction_target=target if knobs.correction_target is None else knobs.correction_target,
+    )
+
+
 def selecting_layers(config: InfiniGenConfig, adapter) -> list[int]:
     """The layers whose rows the selector chooses (not dense, not sliding-window ones): the
     budget's and the channel count's means are over these."""
-    return [i for i in range(adapter.num_layers) if config.layer_role(i, adapter.is_local(i)) == "select"]
+    return [i for i in range(adapter.num_layers) if config.layer_role(i, adapter.is_local(i)) == Role.SELECT]
 
 
 def corrections_chosen(config: InfiniGenConfig, adapter, artifact) -> dict[int, float]:
@@ -94,4 +139,13 @@ def layer_devices(adapter) -> dict[int, torch.device]:
     return out
 
 
-__all__ = ["SELECTORS", "Selector", "corrections_chosen", "make_selector", "selecting_layers"]
+__all__ = [
+    "SELECTORS",
+    "NotCalibratedError",
+    "Selector",
+    "corrections_chosen",
+    "make_selector",
+    "reads_choice",
+    "resolve_measured",
+    "selecting_layers",
+]

@@ -5,13 +5,13 @@ layer i-1 (Lee et al., OSDI 2024).
 
 Additions, each a knob:
   allocation="calibrated"  the budget is spread over the layers by their oracle recall curves,
-                           measured at calibration (`speculate.allocate_budgets`); the mean
+                           measured at calibration (`skew.tables.allocate_budgets`); the mean
                            fraction is still `budget` ("uniform": every layer `budget`; the
-                           default "auto": whichever of the two measures better on the model,
-                           `infinigen.spread`, resolved before the selector is built);
+                           default "auto": whichever of the two calibration measured better on
+                           the model, `infinigen.skew.choice`, read before the selector is built);
   channel_allocation="calibrated"  the partial channels are spread over the layers by the
                            recall of speculating with c channels, measured at calibration
-                           (`speculate.allocate_channels`); the mean count is still r·d;
+                           (`skew.tables.allocate_channels`); the mean count is still r·d;
   speculate_from="fitted"  the speculated query comes from layer i-1's input through layer i's
                            query projection refitted to that input at calibration
                            (`infinigen.skew.query_map`), at the cost of plain speculation;
@@ -38,13 +38,12 @@ from infinigen.config import SpeculationKnobs
 from infinigen.growing import GrowingTensor
 from infinigen.select.base import Selector
 from infinigen.skew.calibrate import SPECULATED_INPUTS
+from infinigen.skew.choice import MeasuredChoice
 from infinigen.skew.query_map import apply_query_map, fold_skew_into_map
+from infinigen.skew.tables import allocate_budgets, allocate_channels, correction_share
 from infinigen.speculate import (
     Selection,
     aggregate_group,
-    allocate_budgets,
-    allocate_channels,
-    correction_share,
     is_all_valid,
     partial_projection,
     partial_scores,
@@ -53,7 +52,6 @@ from infinigen.speculate import (
     selection_mask,
     top_up,
 )
-from infinigen.spread import KL_AIM, SpreadChoice
 
 
 @dataclass
@@ -84,22 +82,21 @@ class InfiniGenSelector(Selector):
         query_maps: dict[int, torch.Tensor] | None = None,
         kv_dtype: torch.dtype | None = None,
         layer_corrections: dict[int, float] | None = None,
-        spread_choice: SpreadChoice | None = None,
+        measured: MeasuredChoice | None = None,
     ) -> None:
         """projections: per layer, the skew columns of the partial channels [Hkv, d, c]
         (see `projections_from_artifact`; c may differ between layers); layer_budgets: per
-        speculated layer, its fraction (allocation "calibrated"; `speculate.allocate_budgets`),
+        speculated layer, its fraction (allocation "calibrated"; `skew.tables.allocate_budgets`),
         else `budget` everywhere; speculated: the layers whose channel counts `describe` reports;
         query_maps: per layer, its fitted query map [D + 1, H·d] (`query_maps_from_artifact`);
         kv_dtype: the KV's storage dtype, which the partial keys are kept in too (None: the
         compute dtype). They stay with the compute for the whole context: with 16-bit KV they
         take r of the stored keys' bytes, where float32 copies took 2r. layer_corrections: per
         speculated layer, the fraction of the context its top-up fetches
-        (`layer_corrections_from_artifact`), else `correction` everywhere. spread_choice: the
-        measurement that chose `knobs.allocation` (a `spread.SpreadChoice`, for allocation
-        "auto"), which `describe` reports."""
+        (`layer_corrections_from_artifact`), else `correction` everywhere. measured: the
+        calibration's choice that "auto" and the unset target read, which `describe` reports."""
         super().__init__(knobs, adapter)
-        self.spread_choice = spread_choice
+        self.measured = measured
         self.layer_corrections = dict(layer_corrections or {})
         self.proj = projections
         self.layer_budgets = dict(layer_budgets or {})
@@ -186,20 +183,8 @@ class InfiniGenSelector(Selector):
 
     def describe(self) -> dict:
         out = super().describe()
-        choice = self.spread_choice
-        if choice is not None:
-            held_out = {"context": choice.context, "scored_tokens": choice.scored, "windows": choice.windows}
-            out["allocation_chosen_by"] = {
-                "rule": "auto: the smaller KL from dense as a multiple of the oracle's, on held-out text",
-                "kl_ratio": {k: round(v, 4) for k, v in choice.kl_ratio.items()},
-                **held_out,
-            }
-            if choice.correction_target is not None:
-                out["correction_target_chosen_by"] = {
-                    "rule": f"the least correction whose KL is within {KL_AIM:g}x the oracle's, else the least KL",
-                    "kl_ratio": {k: round(v, 4) for k, v in choice.target_kl_ratio.items()},
-                    **held_out,
-                }
+        if self.measured is not None:
+            out["chosen_by_calibration"] = self.measured.describe()
         if self.layer_budgets:
             out["layer_budgets"] = {str(i): round(b, 5) for i, b in sorted(self.layer_budgets.items())}
         if self.layer_corrections:
@@ -247,7 +232,7 @@ def layer_corrections_from_artifact(
     artifact, knobs: SpeculationKnobs, layers: list[int], budgets: dict[int, float]
 ) -> dict[int, float]:
     """Per speculated layer whose speculation is corrected under `correction` None, its top-up
-    as a fraction of the context: the share `speculate.correction_share` chooses from the
+    as a fraction of the context: the share `skew.tables.correction_share` chooses from the
     layer's calibrated table (for the input `speculate_from` names) of its budget (`budgets`,
     else `budget`), which the speculation then picks less of. Empty for a number (`correction`
     everywhere, on top of the budget) and for speculate_from "own" (the speculation is the
@@ -275,7 +260,7 @@ def layer_corrections_from_artifact(
 def layer_channels_from_artifact(artifact, knobs: SpeculationKnobs, layers: list[int], head_dim: int) -> dict[int, int]:
     """Per speculated layer, its channel count under `knobs.channel_allocation`: empty for
     "uniform" (every layer keeps the artifact's round(r·d) channels), else the calibrated
-    spread of r·d (`speculate.allocate_channels`)."""
+    spread of r·d (`skew.tables.allocate_channels`)."""
     if knobs.channel_allocation != "calibrated" or not len(layers):
         return {}
     if not artifact.has_channel_recall():

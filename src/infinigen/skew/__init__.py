@@ -1,9 +1,9 @@
 """Skew (offline, once per model): calibration, the artifact (save / load / verify), channel choice.
 
-`obtain_artifact` is what `infinigen.attach` calls: the given artifact, else the cached one,
-else a fresh calibration (saved for next time) — verified against the model either way. An
-artifact that cannot be used is never used: a cached one is recalibrated and replaced (with a
-warning), a given one is refused with the command that recomputes it.
+`infinigen.calibration` uses these: the given artifact (`load_given`), else the cached one
+(`load_cached`), else a fresh calibration (`calibrate_skew`) — verified against the model either
+way. An artifact that cannot be used is never used: a cached one is recalibrated and replaced
+(with a warning), a given one is refused with the command that recomputes it.
 """
 
 from __future__ import annotations
@@ -86,70 +86,61 @@ def refuse_given(exc: SkewArtifactError, knobs, model: str | None = None) -> Ske
     )
 
 
-def obtain_artifact(
-    model,
-    adapter,
-    fingerprint: str,
-    knobs,
-    source: SkewArtifact | str | Path | None = None,
-    tokenizer=None,
-    cache_dir: str | Path | None = None,
-    progress: bool = True,
-) -> SkewArtifact:
-    """The skew artifact for `model` and `knobs` (partial_ratio, skew, calibration_tokens;
-    channel_allocation "calibrated" needs the channel recall tables, speculate_from "fitted"
-    the query maps and correction None the correction tables, which older artifacts lack).
+def cached_path(model, adapter, fingerprint: str, knobs, cache_dir: str | Path | None = None) -> Path:
+    """Where the cached artifact of `model` and `knobs` (partial_ratio, skew, calibration_tokens) lives."""
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    tokens = calibration_length(knobs.calibration_tokens, adapter)
+    return artifact_path(folder, model.config.model_type, fingerprint, knobs.partial_ratio, knobs.skew, tokens)
 
-    source: an artifact or a path to one (refused, with the command that recomputes it, if it
-    cannot be read, is damaged or does not match), else the cached one under `cache_dir` (if it
-    cannot be used: recalibrated and replaced, with a `SkewArtifactWarning`), else calibrated
-    now on the default calibration text (`calibration_ids`: prose and code; needs `tokenizer`,
-    without one seeded random ids) and saved there. A cached artifact made on another default
-    text than today's is recalibrated too.
-    The model must not be folded yet."""
-    ratio, skewed = knobs.partial_ratio, knobs.skew
+
+def load_given(source: SkewArtifact | str | Path, fingerprint: str, knobs, num_layers: int) -> SkewArtifact:
+    """The artifact the user gave (in memory, or a file), verified against the model and `knobs`;
+    refused, with the command that recomputes it, if it cannot be read, is damaged or does not match."""
     needs = needs_of(knobs)
     if isinstance(source, SkewArtifact):
-        source.verify(fingerprint, ratio, skewed, adapter.num_layers, **needs)
+        source.verify(fingerprint, knobs.partial_ratio, knobs.skew, num_layers, **needs)
         return source
-    if source is not None:
-        try:
-            art = SkewArtifact.load(source)
-            art.verify(fingerprint, ratio, skewed, adapter.num_layers, source, **needs)
-        except SkewArtifactError as exc:
-            raise refuse_given(exc, knobs) from None
-        return art
+    try:
+        art = SkewArtifact.load(source)
+        art.verify(fingerprint, knobs.partial_ratio, knobs.skew, num_layers, source, **needs)
+    except SkewArtifactError as exc:
+        raise refuse_given(exc, knobs) from None
+    return art
+
+
+def load_cached(path: Path, fingerprint: str, knobs, num_layers: int, tokenizer_given: bool) -> SkewArtifact | None:
+    """The cached artifact at `path` if it can serve `knobs` (None if there is none); one that
+    cannot (damaged, of an old format, made for other settings or on another default text, or
+    lacking a table `knobs` read) is reported with a `SkewArtifactWarning` and not used: the caller
+    recalibrates and replaces it."""
+    if not path.is_file():
+        return None
+    try:
+        art = SkewArtifact.load(path)
+        art.verify(fingerprint, knobs.partial_ratio, knobs.skew, num_layers, path, **needs_of(knobs))
+        check_calibration_source(art, path, tokenizer_given=tokenizer_given)
+    except SkewArtifactError as exc:
+        warnings.warn(
+            f"the cached skew artifact {path} {exc.reason}: recalibrating and replacing it",
+            SkewArtifactWarning,
+            stacklevel=3,
+        )
+        return None
+    art.origin = path
+    return art
+
+
+def calibrate_skew(model, adapter, fingerprint: str, knobs, tokenizer=None, progress: bool = True, text=None):
+    """A fresh artifact (skew, channels and the per-layer tables) for `model` and `knobs`, calibrated
+    on the default calibration text of prose and code (`calibration_ids`), or on `text`; without a
+    tokenizer on seeded random ids. The model must not be folded."""
     tokens = calibration_length(knobs.calibration_tokens, adapter)
-    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = artifact_path(folder, model.config.model_type, fingerprint, ratio, skewed, tokens)
-    if path.is_file():
-        try:
-            art = SkewArtifact.load(path)
-            art.verify(fingerprint, ratio, skewed, adapter.num_layers, path, **needs)
-            check_calibration_source(art, path, tokenizer_given=tokenizer is not None)
-            art.origin = path
-            return art
-        except SkewArtifactError as exc:
-            warnings.warn(
-                f"the cached skew artifact {path} {exc.reason}: recalibrating and replacing it",
-                SkewArtifactWarning,
-                stacklevel=2,
-            )
     if tokenizer is not None:
-        ids, source = calibration_ids(tokenizer, tokens), default_calibration_source()
+        ids = calibration_ids(tokenizer, tokens, text)
+        source = default_calibration_source() if text is None else text_calibration_source(text)
     else:
         ids, source = synthetic_calibration_ids(model.config.vocab_size, tokens), SYNTHETIC_SOURCE
-    art = calibrate(model, adapter, ids, ratio, skewed, fingerprint, progress, source=source)
-    try:
-        art.save(path)
-        art.origin = path
-    except OSError as exc:
-        warnings.warn(
-            f"could not save the skew artifact to {path} ({exc.strerror or exc}); it will be recomputed next time",
-            SkewArtifactWarning,
-            stacklevel=2,
-        )
-    return art
+    return calibrate(model, adapter, ids, knobs.partial_ratio, knobs.skew, fingerprint, progress, source=source)
 
 
 __all__ = [
@@ -166,7 +157,10 @@ __all__ = [
     "default_calibration_source",
     "default_calibration_tokens",
     "model_fingerprint",
-    "obtain_artifact",
+    "calibrate_skew",
+    "cached_path",
+    "load_cached",
+    "load_given",
     "query_mass_in_channels",
     "refuse_given",
     "skew_command",

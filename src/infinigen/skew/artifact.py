@@ -119,9 +119,9 @@ class SkewArtifact:
     oracle_errors: dict[int, torch.Tensor] = field(default_factory=dict)
     correction_budgets: torch.Tensor | None = None
     correction_shares: torch.Tensor | None = None
-    # The cache file it was loaded from or saved to by `obtain_artifact` (not stored in it): where a
-    # session saves the budget spread's choice (`infinigen.spread`) once measured. None: in memory,
-    # or a file the user gave, which is never rewritten.
+    # The cache file it was loaded from or saved to by calibration (not stored in it): where the
+    # measured choice (`infinigen.skew.choice`) is saved once made. None: in memory, or a file the
+    # user gave, which is never rewritten.
     origin: Path | None = field(default=None, compare=False, repr=False)
 
     def has_correction_tables(self) -> bool:

@@ -1,0 +1,301 @@
+"""The one calibration step, and `infinigen.attach`, which runs it on first use.
+
+Everything measured per model is made here and stored as concrete values in the skew artifact;
+the runtime (the attach session, the cache, the selectors) only reads it:
+
+1. the skew, partial channels and per-layer tables (`infinigen.skew.calibrate`): one pass of the
+   model over the calibration text (prose and code, as long as the model's context, <= 8192);
+2. the budget's spread over the layers and the correction target (`infinigen.skew.choice`), by
+   teacher-forcing each candidate on held-out text against dense and the oracle
+   (`infinigen.eval.spread_choice`), once, at the reference budget: it serves every budget.
+
+The artifact is cached under `~/.cache/infinigen` (`INFINIGEN_CACHE_DIR`) by a fingerprint of the
+model's weights and config. A process that finds another one calibrating the same artifact waits
+for it (a lock file under the cache's `locks/` folder) and then reads what it stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+from torch import nn
+
+from infinigen.attach import Session
+from infinigen.config import InfiniGenConfig, SpeculationKnobs
+from infinigen.eval.recall import recall_observer_for
+from infinigen.eval.spread_choice import measure, runs_needed
+from infinigen.models import get_adapter
+from infinigen.select import reads_choice
+from infinigen.skew import (
+    SkewArtifact,
+    SkewArtifactWarning,
+    cached_path,
+    calibrate_skew,
+    calibration_length,
+    load_cached,
+    load_given,
+    model_fingerprint,
+)
+from infinigen.skew.choice import REFERENCE_BUDGET, MeasuredChoice, store_choice, stored_choice
+
+
+def reference_config(config: InfiniGenConfig) -> InfiniGenConfig:
+    """The settings the choice is measured at: the artifact's own (partial ratio, skew,
+    calibration length) at the reference budget, every other setting at its default, so that the
+    one measurement is the same whichever configuration first asks for it."""
+    return InfiniGenConfig(
+        policy="infinigen",
+        budget=REFERENCE_BUDGET,
+        partial_ratio=config.partial_ratio,
+        skew=config.skew,
+        calibration_tokens=config.calibration_tokens,
+    )
+
+
+def say(progress: bool, text: str) -> None:
+    """A line about long work, on stderr (stdout may carry JSON)."""
+    if progress:
+        print(f"[infinigen] {text}", file=sys.stderr, flush=True)
+
+
+class Calibrator:
+    """Makes complete artifacts for one model: the given one, else the cached one, else a fresh
+    calibration; then the measured choice if the artifact lacks it (saved with a cached one; a
+    given file is never rewritten). A session calls it (`Session(source=...)`) for a
+    configuration whose artifact it does not hold yet."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        cache_dir: str | Path | None = None,
+        progress: bool = True,
+        given: SkewArtifact | str | Path | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.cache_dir, self.progress, self.given = (
+            model,
+            tokenizer,
+            cache_dir,
+            progress,
+            given,
+        )
+        self.adapter = get_adapter(model)
+        self.fingerprint = model_fingerprint(model)
+
+    # ------------------------------------------------------------------ the two parts
+    def skew_for(self, config: InfiniGenConfig) -> SkewArtifact:
+        """The artifact of `config`'s skew settings, without the measured choice if it is new.
+        The model must be as loaded (not folded); call it under `locked`."""
+        if self.given is not None:
+            return load_given(self.given, self.fingerprint, config, self.adapter.num_layers)
+        path = self.path(config)
+        art = load_cached(path, self.fingerprint, config, self.adapter.num_layers, self.tokenizer is not None)
+        if art is not None:
+            return art
+        tokens = calibration_length(config.calibration_tokens, self.adapter)
+        say(
+            self.progress,
+            f"first use of this model with partial_ratio {config.partial_ratio:g}: calibrating it once "
+            f"({self.adapter.num_layers} layers; {tokens} tokens of prose and code), then measuring the budget's "
+            f"spread and correction target on held-out text; kept in {path}",
+        )
+        started = time.perf_counter()
+        art = calibrate_skew(self.model, self.adapter, self.fingerprint, config, self.tokenizer, self.progress)
+        art.meta["calibration_seconds"] = f"{time.perf_counter() - started:.1f}"
+        self._save(art, path)
+        return art
+
+    def complete(self, session: Session, artifact: SkewArtifact, config: InfiniGenConfig) -> None:
+        """Measure the choice through `session` (attached, holding `artifact`) if `config` reads it
+        and `artifact` lacks it; store it, and save a cached artifact."""
+        if not reads_choice(config) or stored_choice(artifact) is not None:
+            return
+        choice = self.measure(session, config)
+        store_choice(artifact, choice)
+        if artifact.origin is not None:
+            self._save(artifact, artifact.origin)
+
+    def measure(self, session: Session, config: InfiniGenConfig) -> MeasuredChoice:
+        reference = reference_config(config)
+        length = min(calibration_length(config.calibration_tokens, self.adapter), self.adapter.max_positions)
+        say(
+            self.progress,
+            f"measuring the budget's spread and correction target: {runs_needed(2)} teacher-forced runs on held-out "
+            f"windows of {length} tokens, at a {REFERENCE_BUDGET:.0%} budget (one measurement serves every budget)",
+        )
+        choice = measure(session, reference, progress=self.progress)
+        say(
+            self.progress,
+            f"chosen in {choice.seconds:.0f} s: spread {choice.allocation}, correction target "
+            f"{choice.correction_target:g} (KL x the oracle's: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(choice.kl_ratio.items()))
+            + ")",
+        )
+        return choice
+
+    # ------------------------------------------------------------------ a session's source
+    def __call__(self, session: Session, config: InfiniGenConfig) -> SkewArtifact:
+        """The complete artifact of `config` for an attached `session`."""
+        with self.locked(config):
+            art = self.skew_for(config)
+            session.hold(config, art)
+            self.complete(session, art, config)
+        return art
+
+    # ------------------------------------------------------------------ files
+    def path(self, config: InfiniGenConfig) -> Path:
+        return cached_path(self.model, self.adapter, self.fingerprint, config, self.cache_dir)
+
+    @contextlib.contextmanager
+    def locked(self, config: InfiniGenConfig) -> Iterator[None]:
+        """Hold the lock of `config`'s cached artifact: a second process waits here for the
+        first one's calibration, then finds it complete. Without a writable cache folder, or with
+        a given artifact, nothing is shared and nothing is locked."""
+        if self.given is not None:
+            yield
+            return
+        artifact = self.path(config)
+        lock = artifact.parent.parent / "locks" / f"{artifact.stem}.lock"  # beside the cache's folders
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                say(self.progress, f"another process is calibrating this model: waiting for it ({lock})")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _save(self, art: SkewArtifact, path: Path) -> None:
+        try:
+            art.save(path)
+            art.origin = path
+        except OSError as exc:
+            warnings.warn(
+                f"could not save the skew artifact to {path} ({exc.strerror or exc}); it will be calibrated again "
+                "next time (set INFINIGEN_CACHE_DIR to a writable folder)",
+                SkewArtifactWarning,
+                stacklevel=3,
+            )
+
+
+def attach(
+    model: nn.Module,
+    config: InfiniGenConfig | None = None,
+    *,
+    skew: SkewArtifact | str | Path | None = None,
+    tokenizer=None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> Session:
+    """Attach InfiniGen to `model` and return the session (`infinigen.attach.Session`); use it as a
+    context manager (``with attach(model, cfg) as session:``), or call `session.detach()`.
+
+    On the first use of a model (and partial ratio) this calibrates it once (see the module
+    docstring; a message says what and where, progress bars say how long). skew: an artifact or
+    its path (default: the cached one, calibrated on the default text with `tokenizer` if there is
+    none); progress: show what calibration does."""
+    config = config or InfiniGenConfig()
+    calibrator = Calibrator(model, tokenizer, cache_dir, progress, given=skew)
+    if config.spec.selector != "infinigen":
+        return Session(model, config, tokenizer=tokenizer, source=calibrator, observer_for=recall_observer_for)
+    config.check_layers(calibrator.adapter.num_layers)
+    with calibrator.locked(config):
+        art = calibrator.skew_for(config)
+        session = Session(
+            model, config, artifact=art, tokenizer=tokenizer, source=calibrator, observer_for=recall_observer_for
+        )
+        try:
+            calibrator.complete(session, art, config)
+        except BaseException:
+            session.detach()
+            raise
+    return session
+
+
+def calibrate_to_file(
+    model: nn.Module,
+    tokenizer,
+    config: InfiniGenConfig,
+    output: str | Path | None = None,
+    text: str | None = None,
+    progress: bool = True,
+) -> tuple[SkewArtifact, Path]:
+    """What `infinigen skew` does: calibrate `model` for `config` now (on `text`, else the
+    default text), measure the choice, and save the artifact to `output` (default: the cache)."""
+    calibrator = Calibrator(model, tokenizer, progress=progress)
+    out = Path(output) if output is not None else calibrator.path(config)
+    with calibrator.locked(config):
+        art = calibrate_skew(
+            model, calibrator.adapter, calibrator.fingerprint, config, tokenizer, progress, text=text
+        )  # fmt: skip
+        with Session(model, config, artifact=art, tokenizer=tokenizer) as session:
+            store_choice(art, calibrator.measure(session, config))
+        art.save(out)
+        art.origin = out
+    return art, out
+
+
+def report(
+    model: nn.Module, tokenizer, config: InfiniGenConfig, artifact: SkewArtifact, text: str | None = None
+) -> list[str]:
+    """What `infinigen skew` prints about an artifact: the measured choice, the query mass its
+    partial channels hold (skewed and not) on held-out text (the essay's opening, whose end the
+    default calibrates on; or the first half of the user's text), and the correction's top-ups."""
+    from infinigen.select import corrections_chosen, resolve_measured
+    from infinigen.skew import calibration_ids, calibration_text, collect_qk, query_mass_in_channels, skew_from_qk
+
+    adapter = get_adapter(model)
+    lines = []
+    choice = stored_choice(artifact)
+    if choice is not None:
+        spreads = ", ".join(f"{name} {ratio:.2f}" for name, ratio in sorted(choice.kl_ratio.items()))
+        targets = ", ".join(f"{t} {ratio:.2f}" for t, ratio in choice.target_kl_ratio.items())
+        lines += [
+            f"budget spread (allocation auto): {choice.allocation}; KL as a multiple of the oracle's on held-out "
+            f"text at a {choice.budget:g} budget: {spreads} ({choice.windows} windows of {choice.context} tokens)",
+            f"correction target (left unset): {choice.correction_target:g}; by target: {targets} "
+            "(the least correction within the aim is kept)",
+        ]
+    tokens = artifact.calibration_tokens
+    held_text = text[: len(text) // 2] if text is not None else None
+    if held_text is None:
+        held = tokenizer(calibration_text(), add_special_tokens=False, return_tensors="pt").input_ids
+        held = held[:, : min(1024, tokens)]
+    else:
+        held = calibration_ids(tokenizer, min(1024, tokens), text=held_text)
+    qs, ks = collect_qk(model, adapter, held, progress=False)
+    plain = skewed = 0.0
+    for i in range(adapter.num_layers):
+        _, c_plain = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, config.partial_ratio, skewed=False)
+        plain += query_mass_in_channels(qs[i], None, c_plain)
+        skewed += query_mass_in_channels(qs[i], artifact.skews[i], artifact.channels[i])
+    lines.append(
+        f"query mass (Σq²) in the top-{config.partial_ratio:.0%} channels, mean over layers: "
+        f"unskewed {plain / adapter.num_layers:.3f}, skewed {skewed / adapter.num_layers:.3f}"
+    )
+    cfg = config.replace(policy="infinigen")
+    top_ups = ", ".join(f"{i}: {c:.1%}" for i, c in sorted(corrections_chosen(cfg, adapter, artifact).items()))
+    target = resolve_measured(cfg.knobs(SpeculationKnobs), artifact, cfg).correction_target
+    how = (
+        f"chosen per layer: above {target:g}x the oracle's output error"
+        if cfg.correction is None
+        else f"{cfg.correction:g} everywhere"
+    )
+    lines.append(
+        f"correction at a {cfg.resolved_budget:.0%} budget ({how}): top-ups of the context by layer: {top_ups or 'none'}"
+    )
+    return lines
