@@ -108,7 +108,7 @@ class SpeculationKnobs(SelectionBudget):
     layer i's query projection refitted to that input at calibration) against the partial keys;
     each layer keeps the top of its budget (`budget`, or a calibrated spread of it), an optional
     threshold alpha, and a floor. Defaults chosen on the essays, on every model measured, and
-    reported on other genres (docs/results.md, "Selection that holds on unseen text"): every
+    reported on other genres (docs/results.md, "Quality on SmolLM2-135M"; docs/CHANGELOG.md): every
     knob but the budget is a research switch."""
 
     alpha: float = knob(

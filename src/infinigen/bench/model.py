@@ -47,7 +47,7 @@ PAPER = {
 
 
 # The paper runs InfiniGen with alpha = 4 (its artifact's figure-14 script): what that threshold fetched
-# on this project's model at 2K tokens, measured by the sensitivity suite (docs/results.md).
+# on this project's model at 2K tokens, measured by the sensitivity suite (`infinigen eval --suite sensitivity`).
 ALPHA4_FRACTION = 0.067
 ALPHA4_SOURCE = "alpha = 4, as the paper runs it: measured 6.7 % on SmolLM2 at 2K, eval sensitivity suite"
 

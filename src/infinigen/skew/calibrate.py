@@ -39,8 +39,7 @@ RECALL_QUERIES = 48  # decode positions sampled per layer for the recall curves
 MAX_DEFAULT_CALIBRATION = 8192
 # The default calibration alternates blocks of prose and source code, so that the skew, the
 # query maps and the budget allocation are fitted on more than one genre: fitted on prose alone
-# they generalized worse to source code no choice had seen (docs/results.md, "Calibration on
-# prose and code").
+# they generalized worse to source code no choice had seen (docs/CHANGELOG.md, commit c58a098).
 CALIBRATION_BLOCK = 1024  # tokens per block
 # Python source read from the interpreter's own standard library (present wherever Python is),
 # packages the `code` evaluation genre does not use (it reads the top-level modules).

@@ -14,8 +14,8 @@ calibration teacher-forces each candidate on held-out text against dense and the
    the oracle's, else the one of least KL.
 
 The measurement runs once per artifact, at `REFERENCE_BUDGET` and the default settings, and
-serves every budget and setting: the choice is a property of the model (docs/results.md shows it
-is the same at 5 % and 20 %). `allocation="auto"` and an unset `correction_target` read it;
+serves every budget and setting: the choice is a property of the model (docs/results.md, "What
+calibration chose per model": the same at 5 % and 20 %). `allocation="auto"` and an unset `correction_target` read it;
 explicit values override it.
 """
 

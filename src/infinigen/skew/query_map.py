@@ -3,7 +3,7 @@
 InfiniGen speculates layer i's attention one layer ahead, from layer i-1's normalized input
 x_{i-1} through layer i's own projection W_q. What separates x_{i-1} from layer i's true input
 x_i (layer i-1's attention and MLP output, and a different norm weight) is the largest source
-of the speculation's error left (docs/results.md, "The three error sources"). Part of it is
+of the speculation's error left (docs/CHANGELOG.md, commit a1ece90). Part of it is
 linear and the same on every text: calibration fits, per layer, the affine map M that best
 predicts layer i's query projection from x_{i-1},
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-QUERY_MAP_RIDGE = 0.1  # λ: chosen on the essays (docs/results.md, "A fitted query map")
+QUERY_MAP_RIDGE = 0.1  # λ: chosen on the essays (docs/CHANGELOG.md, commit a1ece90)
 QUERY_MAP_DTYPE = torch.float16  # as stored in the artifact; applied in float32
 
 
