@@ -11,7 +11,7 @@ import torch
 from conftest import left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
 from infinigen.attention import attention_scaling
-from infinigen.eval.recall import RecallObserver, observe_recall
+from infinigen.eval.recall import RecallObserver
 from infinigen.roles import Role
 from infinigen.speculate import Selection
 from infinigen.storage import RamTier, TransferStats
@@ -95,8 +95,7 @@ def test_recall_is_measured_by_the_observer_evaluation_sets():
         watched = session.new_cache()
         watched.observer = watch = _Watch()
         _generate(model, ids, mask, watched)
-        measured = session.new_cache()
-        observe_recall(measured, cfg.replace(measure_recall=True))
+        measured = session.new_cache(cfg.replace(measure_recall=True))  # the session attaches the observer
         assert isinstance(measured.observer, RecallObserver)
         _generate(model, ids, mask, measured)
     s_plain, s_watched, s_measured = plain.summary(), watched.summary(), measured.summary()

@@ -79,13 +79,8 @@ class Calibrator:
         progress: bool = True,
         given: SkewArtifact | str | Path | None = None,
     ) -> None:
-        self.model, self.tokenizer, self.cache_dir, self.progress, self.given = (
-            model,
-            tokenizer,
-            cache_dir,
-            progress,
-            given,
-        )
+        self.model, self.tokenizer, self.cache_dir = model, tokenizer, cache_dir
+        self.progress, self.given = progress, given
         self.adapter = get_adapter(model)
         self.fingerprint = model_fingerprint(model)
 

@@ -19,7 +19,8 @@ from infinigen.speculate import Selection, attention_recall
 class RecallObserver:
     """Per layer, the mean over decode steps of the selection's recall (averaged over batch rows
     and query heads), reported as that layer's ``recall`` in `summary()`. Attach one to a cache
-    (`cache.observer = RecallObserver()`; `observe_recall` does when the config asks)."""
+    (`cache.observer = RecallObserver()`; an attach session does when the config asks, through
+    `recall_observer_for`)."""
 
     def __init__(self) -> None:
         self._sum: dict[int, float] = {}
@@ -55,12 +56,6 @@ def recall_observer_for(config) -> RecallObserver | None:
     """The observer `config` asks for: recall when ``measure_recall`` is set, else none (the one
     place that turns the knob into an observer; whoever makes caches from a config calls it)."""
     return RecallObserver() if config.measure_recall else None
-
-
-def observe_recall(cache, config) -> None:
-    """Measure recall in `cache` when `config` asks for it, unless an observer is already set."""
-    if cache.observer is None:
-        cache.observer = recall_observer_for(config)
 
 
 class HeadRecall:
