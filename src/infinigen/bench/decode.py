@@ -25,6 +25,7 @@ import torch
 
 from infinigen.cli_settings import DISK_DEFAULTS, add_arguments, from_arguments
 from infinigen.config import POLICIES, InfiniGenConfig
+from infinigen.figures import pyplot
 from infinigen.provenance import commit, machine
 
 DEFAULT_POLICIES = ("dense", "dense-hf", "full", "infinigen")
@@ -246,14 +247,12 @@ def _fmt_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _plot(rows: list[dict], path: Path) -> None:
+def _plot(rows: list[dict], path: Path) -> bool:
     """Per batch size, decode tokens/s and the decode phase's peak RSS (model weights included)
     against the context, one line per policy, with dense's KV size for scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return False
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(len(batches), 2, figsize=(11, 4 * len(batches)), squeeze=False)
     for (speed, memory), b in zip(axes, batches):
@@ -277,6 +276,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def policy_configs(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, InfiniGenConfig]]:
@@ -422,8 +422,8 @@ def run_parent(args: argparse.Namespace) -> int:
     }
     (out_dir / "bench_decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out_dir / "bench_decode.txt").write_text(table + "\n" + note + "\n")
-    _plot(rows, out_dir / "bench_decode.png")
-    print(f"wrote {out_dir / 'bench_decode.json'}, bench_decode.txt and bench_decode.png")
+    figure = " and bench_decode.png" if _plot(rows, out_dir / "bench_decode.png") else ""
+    print(f"wrote {out_dir / 'bench_decode.json'}, bench_decode.txt{figure}")
     return 0
 
 
@@ -434,18 +434,20 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     )
     ap.add_argument("--device", default="cpu", help="where the model computes: cpu, or cuda for the pinned tier")
     ap.add_argument("--contexts", default="1024,2048,4096,8000", help="comma-separated context lengths")
-    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--batches", default="1,4", help="comma-separated batch sizes (the prompt repeated)")
     ap.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
         help=f"comma list of {', '.join([*POLICIES, *ROW_NAMES])} ({HF_DENSE}: transformers' DynamicCache; "
         "int4 runs on the RAM tier)",
     )
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per run (after the prefill)")
     ap.add_argument(
         "--repeats", type=int, default=1, help="runs per row, interleaved in rounds; the row shows the median"
     )
-    ap.add_argument("--out", default="results/bench")
+    ap.add_argument(
+        "--out", default="results/bench", help="folder for bench_decode.json, .txt and .png (created if missing)"
+    )
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N", help="print the top N functions of a decode profile per run"
     )

@@ -260,8 +260,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--hardware", type=_csv(str), default=list(HARDWARE), help=f"named hardware: {names}")
     ap.add_argument("--models", type=_csv(str), default=["llama-3.1-8b", "qwen2.5-7b", "opt-13b"],
                     help=f"named models: {', '.join(MODELS)}")  # fmt: skip
-    ap.add_argument("--contexts", type=_csv(int), default=[4096, 16384, 32768, 131072])
-    ap.add_argument("--batches", type=_csv(int), default=[1, 8])
+    ap.add_argument("--contexts", type=_csv(int), default=[4096, 16384, 32768, 131072],
+                    help="comma-separated context lengths")  # fmt: skip
+    ap.add_argument("--batches", type=_csv(int), default=[1, 8], help="comma-separated batch sizes")
     ap.add_argument("--policies", type=_csv(str), default=["dense", "full", "infinigen"],
                     help=f"of {', '.join(POLICIES)}")  # fmt: skip
     ap.add_argument("--measured", default=DEFAULT_MEASURED,
@@ -271,7 +272,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--paper", action="store_true", help="the InfiniGen paper's Figure 14 setting, modelled")
     ap.add_argument("--model-path", default=None, help="--calibrate: the model bench decode runs (default SmolLM2)")
     ap.add_argument("--kv-dir", default=None, help="--calibrate: folder of the disk measurement's scratch file")
-    ap.add_argument("--out", default="results/model")
+    ap.add_argument("--out", default="results/model", help="folder for the JSON and table (created if missing)")
     return ap
 
 

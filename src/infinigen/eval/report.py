@@ -6,6 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from infinigen.figures import pyplot
+
 DEFAULT_VARIANT = "default (union, r=0.3, skew)"
 
 
@@ -232,11 +234,9 @@ def markdown(rows: list[dict], meta: dict[str, Any], targets: str = "") -> str:
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return []
     written = []
     ppl = [r for r in rows if r["suite"] == "ppl"]
     if ppl:

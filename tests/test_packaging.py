@@ -1,0 +1,89 @@
+"""The distribution installs next to other libraries: tested ranges in pyproject.toml, the exact set
+in constraints.txt (which `make` installs) inside them, and a wheel that carries what runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _pins() -> dict[str, Version]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not an exact pin"
+            pins[canonicalize_name(name)] = Version(version)
+    return pins
+
+
+def _requirements() -> list[Requirement]:
+    project = _project()
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    for extra in project["optional-dependencies"].values():
+        reqs += [Requirement(r) for r in extra]
+    return reqs
+
+
+def test_dependencies_are_ranges_with_an_upper_bound():
+    for req in (Requirement(r) for r in _project()["dependencies"]):
+        ops = {spec.operator for spec in req.specifier}
+        assert "==" not in ops, f"{req}: an exact pin keeps the library from installing next to others"
+        assert ">=" in ops and "<" in ops, f"{req}: give the tested lower bound and the next major as upper bound"
+
+
+def test_constraints_pin_every_requirement_inside_its_range():
+    pins = _pins()
+    for req in _requirements():
+        name = canonicalize_name(req.name)
+        assert name in pins, f"constraints.txt does not pin {req.name}: run `make lock`"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"constraints.txt pins {req.name}=={pins[name]}, outside pyproject's {req.specifier}: run `make lock`"
+        )
+
+
+def test_makefile_installs_through_the_constraints():
+    makefile = (ROOT / "Makefile").read_text()
+    installs = [line for line in makefile.splitlines() if "pip install" in line and "--upgrade pip" not in line]
+    assert installs and all("-c $(LOCK)" in line for line in installs), installs
+    assert "LOCK   := constraints.txt" in makefile
+
+
+@pytest.mark.skipif(subprocess.run([sys.executable, "-m", "build", "--version"], capture_output=True).returncode != 0,
+                    reason="the `build` package is not installed (it is in the dev extra)")  # fmt: skip
+def test_wheel_carries_the_kernels_data_and_command(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("infinigen_kv-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for source in ("select.c", "gather.c"):
+        assert f"infinigen/kernels/{source}" in names
+    assert "infinigen/data/areopagitica.txt" in names
+    assert "infinigen/integrations/lm_eval_tasks/infinigen_needle.yaml" in names  # lm-eval's --include_path
+    assert not any(n.startswith("tests/") for n in names)
+    meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = [
+        line for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if line.startswith("Requires-Dist")
+    ]
+    assert any(line.startswith("Requires-Dist: torch") and "<3" in line for line in requires), requires
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "infinigen = infinigen.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
