@@ -6,8 +6,8 @@ Public API: `InfiniGenConfig`, `attach` (a context manager that returns a `Sessi
 and `cache.summary()`.
 """
 
-from infinigen.attach import Session
-from infinigen.cache import ContextTooLongError, InfiniGenCache
+from infinigen.attach import Session, UnsupportedGenerationError
+from infinigen.cache import CacheClosedError, ContextTooLongError, InfiniGenCache
 from infinigen.calibration import attach
 from infinigen.config import POLICIES, ConfigError, InfiniGenConfig
 from infinigen.models import UnsupportedModelError
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "POLICIES",
+    "CacheClosedError",
     "ConfigError",
     "ContextTooLongError",
     "InfiniGenCache",
@@ -24,6 +25,7 @@ __all__ = [
     "Session",
     "SkewArtifact",
     "SkewArtifactError",
+    "UnsupportedGenerationError",
     "UnsupportedModelError",
     "attach",
 ]

@@ -5,7 +5,8 @@ A session reads a complete skew artifact (it never calibrates or measures: an ar
 another configuration comes from the `source` it was given), registers the "infinigen" attention function,
 sets it as the model's attention implementation, adds one forward pre-hook per attention module,
 folds the skew into the weights of models without RoPE (OPT), wraps `model.generate` so that a
-plain call uses a fresh `InfiniGenCache`; during a decode step it sets torch's intra-op threads
+plain call uses a fresh `InfiniGenCache` (see `_wrap_generate`: what it refuses before any
+prefill, and how long the cache lives); during a decode step it sets torch's intra-op threads
 to the cache config's `threads` (offloading policies leave a core to the prefetch thread; a
 prefill uses every thread). Every change is recorded
 with its undo; leaving the block (normally or by an exception), or `session.detach()`, restores
@@ -27,10 +28,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
 
 from infinigen.attention import ATTN_NAME, register_attention
-from infinigen.cache import InfiniGenCache, SessionCache
+from infinigen.cache import ContextTooLongError, InfiniGenCache, SessionCache
 from infinigen.config import InfiniGenConfig
+from infinigen.errors import InfiniGenError
 from infinigen.layers import AttendObserver
 from infinigen.models import ModelAdapter, get_adapter
 from infinigen.select import NotCalibratedError, Selector, make_selector
@@ -41,6 +45,32 @@ from infinigen.skew.artifact import needs_of
 ArtifactSource = Callable[["Session", InfiniGenConfig], SkewArtifact]
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Session] = weakref.WeakKeyDictionary()
+
+
+class UnsupportedGenerationError(InfiniGenError, NotImplementedError):
+    """A `generate` option the InfiniGen cache cannot serve, refused before any prefill."""
+
+
+_BEAM = (
+    "beam search (num_beams={num_beams}) reorders the KV cache between beams at every step, which "
+    "InfiniGen's offloaded cache does not support: use greedy decoding or sampling (num_beams=1) inside attach"
+)
+_CROP = (
+    "{what} drops the rejected draft tokens by cropping the KV cache, which InfiniGen's offloaded cache "
+    "does not support: generate without {option} (greedy decoding or sampling) inside attach"
+)
+# The generation modes that reorder or copy the cache's rows (assisted decoding, which crops it, apart).
+_REFUSED: dict[GenerationMode, str] = {
+    GenerationMode.BEAM_SEARCH: _BEAM,
+    GenerationMode.BEAM_SAMPLE: _BEAM,
+    GenerationMode.GROUP_BEAM_SEARCH: _BEAM,
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: _BEAM,
+    GenerationMode.CONTRASTIVE_SEARCH: (
+        "contrastive search (penalty_alpha={penalty_alpha}, top_k={top_k}) copies and reselects the KV cache's "
+        "rows at every step, which InfiniGen's offloaded cache does not support: use greedy decoding or sampling "
+        "(no penalty_alpha) inside attach"
+    ),
+}
 
 
 class Session:
@@ -69,7 +99,8 @@ class Session:
         self.config = config or InfiniGenConfig()
         self.adapter: ModelAdapter = get_adapter(model)  # raises for unsupported families
         self.tokenizer = tokenizer
-        self.last_cache: InfiniGenCache | None = None
+        self._last: Callable[[], InfiniGenCache | None] = _nothing  # see `last_cache`
+        self._caches: weakref.WeakSet[InfiniGenCache] = weakref.WeakSet()  # closed at detach
         self._source = source
         self._observer_for = observer_for
         self._artifacts: dict[tuple, SkewArtifact] = {}
@@ -111,17 +142,85 @@ class Session:
         self._undo.append(lambda: _restore_attribute(model, "generate", had_own, previous))
 
     def _wrap_generate(self, generate):
+        """`model.generate` that runs on an InfiniGen cache: a fresh one, or the InfiniGenCache
+        handed in as `past_key_values` (a continuation); another cache, or `use_cache=False`
+        without one, runs the model as it would without infinigen. Options the cache cannot serve
+        (beam search, assisted decoding, attention weights, a context longer than the model's)
+        are refused before any prefill. A fresh cache is handed back with the output when the
+        caller asked for `return_dict_in_generate` (as transformers hands back its own caches,
+        to be continued); it is closed when generate fails, when the session detaches or when
+        it is collected. Without a dict it is closed when generate returns."""
+
         @functools.wraps(generate)
         def generate_with_infinigen(*args, **kwargs):
-            if kwargs.get("past_key_values") is not None:
+            cache = kwargs.get("past_key_values")
+            if cache is not None and not isinstance(cache, SessionCache):
+                return generate(*args, **kwargs)  # the caller's own cache: the model runs as without infinigen
+            settings = self._settings(args, kwargs)
+            if not settings.use_cache:
+                if cache is None:
+                    return generate(*args, **kwargs)  # no cache at all: nothing to offload
+                raise UnsupportedGenerationError(
+                    "use_cache=False with an InfiniGen cache as past_key_values would store the whole sequence "
+                    "in it again at every step: leave use_cache on, or drop past_key_values"
+                )
+            self._refuse(settings, kwargs.get("assistant_model"), _prompt_length(args, kwargs))
+            if cache is not None:
+                if isinstance(cache, InfiniGenCache):
+                    cache.check_open()
                 return generate(*args, **kwargs)
-            with self.new_cache() as cache:  # files removed however generation ends
-                self.last_cache = cache
-                return generate(
+            cache = self.new_cache()
+            self._last = weakref.ref(cache)  # dropping an output handed back releases its files
+            try:
+                out = generate(
                     *args, past_key_values=cache, **{k: v for k, v in kwargs.items() if k != "past_key_values"}
                 )
+            except BaseException:
+                self._close(cache, "the generation that made it failed")
+                raise
+            if not settings.return_dict_in_generate:
+                self._close(cache, "generate returned without return_dict_in_generate=True")
+            return out
 
         return generate_with_infinigen
+
+    def _close(self, cache: InfiniGenCache, reason: str) -> None:
+        """Close `cache` and keep it as `last_cache` (a closed cache holds only its counters)."""
+        cache.close(reason)
+        self._last = lambda: cache
+
+    @property
+    def last_cache(self) -> InfiniGenCache | None:
+        """The cache of the latest plain `generate` call (read its `summary()`); None before one.
+        An open one (handed back with the output) is held weakly, so dropping the output frees it."""
+        return self._last()
+
+    def _settings(self, args: tuple, kwargs: dict) -> GenerationConfig:
+        """The settings `generate` will use: the config handed in (or the model's) with the
+        keyword arguments applied, by transformers' own merge."""
+        given = kwargs.get("generation_config", next((a for a in args if isinstance(a, GenerationConfig)), None))
+        rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
+        return self.model._prepare_generation_config(given, **rest)[0]
+
+    def _refuse(self, settings: GenerationConfig, assistant_model, prompt: int | None) -> None:
+        """Raise, in one sentence naming the alternative, for what the cache cannot serve."""
+        mode = settings.get_generation_mode(assistant_model)
+        if mode == GenerationMode.ASSISTED_GENERATION:
+            if settings.prompt_lookup_num_tokens is not None:
+                what, option = "prompt lookup decoding (prompt_lookup_num_tokens=...)", "prompt_lookup_num_tokens"
+            else:
+                what, option = "assisted decoding (assistant_model=...)", "an assistant model"
+            raise UnsupportedGenerationError(_CROP.format(what=what, option=option))
+        if mode in _REFUSED:
+            raise UnsupportedGenerationError(_REFUSED[mode].format(**settings.to_dict()))
+        if settings.output_attentions:
+            raise UnsupportedGenerationError(
+                "output_attentions=True asks for attention weights, which InfiniGen's attention does not return "
+                "(a decode step attends only the rows it fetched): leave it off inside attach, or run the model "
+                "outside attach with attn_implementation='eager'"
+            )
+        if prompt is not None:
+            check_generation_length(prompt, settings, self.adapter.max_positions)
 
     def _pre_hook(self, module: nn.Module, args, kwargs, layer: int):
         cache = kwargs.get("past_key_values")
@@ -149,7 +248,10 @@ class Session:
             torch.set_num_threads(want)
 
     def detach(self) -> None:
-        """Undo every change, newest first (idempotent)."""
+        """Close the caches this session made that are still open, then undo every change,
+        newest first (idempotent)."""
+        for cache in list(self._caches):
+            cache.close("its attach session was detached")
         while self._undo:
             self._undo.pop()()
         self.folded = False
@@ -178,9 +280,11 @@ class Session:
             raise RuntimeError("this session is detached: attach the model again to make a cache")
         config = config or self.config
         observer = self._observer_for(config) if self._observer_for is not None else None
-        return InfiniGenCache(
+        cache = InfiniGenCache(
             config, self.adapter, self.selector_for(config), max_length=max_length, trace=trace, observer=observer
         )
+        self._caches.add(cache)
+        return cache
 
     def selector_for(self, config: InfiniGenConfig) -> Selector | None:
         """The selector of `config` in this session (None for a policy that reads every row)."""
@@ -216,6 +320,39 @@ class Session:
                 "attach with `infinigen.attach`, which calibrates on first use"
             )
         return self._source(self, config)
+
+
+def check_generation_length(prompt: int, settings: GenerationConfig, limit: int) -> None:
+    """Refuse a generation that would run past the model's context (`limit` positions) before it
+    starts, rather than in the middle of its decode steps, losing what it generated."""
+    if prompt > limit:
+        raise ContextTooLongError(
+            f"{prompt} tokens exceed the model's context of {limit} positions (the prompt alone is too long): "
+            "shorten the prompt"
+        )
+    if settings.max_new_tokens is not None:
+        if prompt + settings.max_new_tokens > limit:
+            raise ContextTooLongError(
+                f"the prompt ({prompt} tokens) + max_new_tokens ({settings.max_new_tokens}) exceed the model's "
+                f"context of {limit} positions: shorten the prompt or lower max_new_tokens"
+            )
+    elif settings.max_length is not None and settings.max_length > limit:
+        raise ContextTooLongError(
+            f"max_length ({settings.max_length}) exceeds the model's context of {limit} positions: "
+            "lower max_length, or give max_new_tokens"
+        )
+
+
+def _prompt_length(args: tuple, kwargs: dict) -> int | None:
+    """The positions `generate` starts from (a continuation's history included), if given as a tensor."""
+    for x in (args[0] if args else None, kwargs.get("inputs"), kwargs.get("input_ids"), kwargs.get("inputs_embeds")):
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            return int(x.shape[1])  # [B, T] ids or [B, T, hidden] embeddings
+    return None
+
+
+def _nothing() -> None:
+    return None
 
 
 def new_token_validity(attention_mask: torch.Tensor | None, x: torch.Tensor, past: int) -> torch.Tensor:

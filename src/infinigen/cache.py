@@ -9,7 +9,8 @@ Get one from an attach session (``session.new_cache()``): the session's hooks dr
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -47,6 +48,10 @@ class CacheInputError(InfiniGenError, ValueError):
     """KV handed to `update` that does not fit the cache: layer, shape, dtype or device."""
 
 
+class CacheClosedError(InfiniGenError, RuntimeError):
+    """A closed InfiniGenCache used again: its tiers, files and threads are gone."""
+
+
 class SessionCache(Cache):
     """A cache whose layers answer an attach session's hooks (`own_input`, `previous_input`,
     `attend`); the session describes each forward's tokens with `begin_forward`."""
@@ -67,7 +72,9 @@ class InfiniGenCache(SessionCache):
                 model's context. trace: keep a `TransferRecord` of every transfer issued.
     observer:   what watches each decode step's attention (`AttendObserver`; evaluation's
                 recall, `infinigen.eval.recall`), or None; settable until the first decode step.
-    One cache serves one generation; `close()` (or a ``with`` block) removes its files.
+    One cache serves one generation and its continuations (``past_key_values=`` again, a new
+    turn included); `close()` (or a ``with`` block, or the session's detach, or garbage
+    collection) removes its files, and a closed cache refuses to be used again.
     """
 
     def __init__(
@@ -124,17 +131,23 @@ class InfiniGenCache(SessionCache):
                 pooled = role == Role.SELECT and config.host_capacity is not None
                 layers.append(OffloadedLayer(OffloadSettings(i, role, pooled), self._shared, selector))
         super().__init__(layers=layers)
+        self.closed_because: str | None = None  # why it was closed; None while open
+        # Collected without close() (an output dropped, a session never detached): its files go too.
+        self._finalizer = weakref.finalize(self, _release, layers, self.prefetch, self.storage)
 
     # ------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.check_open()
         self._check_update(key_states, value_states, layer_idx)
         layer = self.layers[layer_idx]
         past, n = layer.get_seq_length(), key_states.shape[2]
         self._check_length(past, n)
         if layer_idx == 0:
             if past == 0:
-                self.counters.prefill_tokens, self.counters.batch = n, key_states.shape[0]
-            elif n == 1:
+                self.counters.batch = key_states.shape[0]
+            if past == 0 or n > 1:  # the prompt, its chunks and a continuation's new turn
+                self.counters.prefill_tokens += n
+            else:
                 self.counters.decode_steps += 1
         return layer.update(key_states, value_states)
 
@@ -190,6 +203,7 @@ class InfiniGenCache(SessionCache):
         return self.counters.trace
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        self.check_open()  # the first thing a forward or `generate` asks a cache
         return self.layers[layer_idx].get_seq_length()
 
     def reset(self) -> None:
@@ -206,19 +220,31 @@ class InfiniGenCache(SessionCache):
         if tokens_to_remove:
             raise NotImplementedError("InfiniGenCache does not support cropping (assisted decoding)")
 
-    def close(self) -> None:
-        """Release the tiers (remove disk files) and their threads; the cache is unusable afterwards."""
-        for layer in self.layers:
-            layer.close()
-        if self.prefetch is not None:
-            self.prefetch.shutdown(wait=True)
-        self.storage.close()
+    @property
+    def closed(self) -> bool:
+        return self.closed_because is not None
+
+    def close(self, reason: str = "close() was called") -> None:
+        """Release the tiers (remove disk files) and their threads (idempotent); `reason` ends the
+        sentence a later use raises. The counters stay: `summary()` works on a closed cache."""
+        if self.closed_because is None:
+            self.closed_because = reason
+        self._finalizer()
+
+    def check_open(self) -> None:
+        """Refuse, in one sentence, to run on a closed cache (its KV is gone)."""
+        if self.closed_because is not None:
+            raise CacheClosedError(
+                f"this InfiniGen cache is closed (its files were released when {self.closed_because}): "
+                "start a new generation without past_key_values, or keep the cache open by calling "
+                "generate with return_dict_in_generate=True and continuing inside the same attach block"
+            )
 
     def __enter__(self) -> InfiniGenCache:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close("its `with` block ended")
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, Any]:
@@ -286,3 +312,13 @@ class InfiniGenCache(SessionCache):
         if self.observer is not None:
             entry.update(self.observer.report(i))
         return entry
+
+
+def _release(layers: list, prefetch: Executor | None, storage: Storage) -> None:
+    """Close the layers (their tiers and files), then the threads they used. Holds no reference
+    to the cache, so that it can run when the cache is collected."""
+    for layer in layers:
+        layer.close()
+    if prefetch is not None:
+        prefetch.shutdown(wait=True)
+    storage.close()
