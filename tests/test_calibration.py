@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ from infinigen.eval.metrics import kl_divergence
 from infinigen.eval.spread_choice import SCORED, held_out_ids
 from infinigen.models import get_adapter
 from infinigen.select import NotCalibratedError, make_selector, reads_choice, resolve_measured
-from infinigen.skew import calibrate, synthetic_calibration_ids
+from infinigen.skew import SkewArtifactError, cached_path, calibrate, model_fingerprint, synthetic_calibration_ids
 from infinigen.skew.choice import (
     CORRECTION_TARGETS,
     REFERENCE_BUDGET,
@@ -264,3 +265,49 @@ def test_the_skew_command_stores_the_choice(tmp_path, tiny_model_dir, capsys):
     assert torch.isfinite(torch.tensor(list(choice.kl_ratio.values()))).all()
     target = [x for x in out if x.startswith("correction target")]
     assert target and f": {choice.correction_target:g};" in target[0]
+
+
+def test_the_first_use_says_what_it_does_how_long_it_takes_and_where_it_keeps_it(monkeypatch, tmp_path, capsys):
+    """One line before the work starts, with an estimate timed on this machine; none afterwards."""
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama")
+    cfg = InfiniGenConfig(**BASE)
+    with attach(model, cfg):
+        pass
+    said = [line for line in capsys.readouterr().err.splitlines() if "first use of this model" in line]
+    assert len(said) == 1
+    assert "calibrating it once" in said[0] and "128 tokens" in said[0] and "measuring" in said[0]
+    assert re.search(r"about \d+ (s|minutes) on this machine", said[0]), said[0]
+    assert str(tmp_path / "skew") in said[0]
+    with attach(model, cfg):
+        pass
+    assert "first use" not in capsys.readouterr().err
+
+
+def test_an_artifact_cached_by_an_earlier_version_is_adopted_not_recalibrated(monkeypatch, tmp_path):
+    """Earlier versions keyed an artifact by the weights' exact bytes: the first attach after an
+    upgrade finds the model's own under that key, and saves it where today's fingerprint looks;
+    a given file of that kind serves as it is. Another model's stays refused."""
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama")
+    cfg = InfiniGenConfig(**BASE)
+    with attach(model, cfg, progress=False):
+        pass
+    (today,) = (tmp_path / "skew").glob("*.safetensors")
+    old = SkewArtifact.load(today)
+    old.fingerprint = model_fingerprint(model, exact=True)
+    earlier = cached_path(model, get_adapter(model), old.fingerprint, cfg)
+    old.save(earlier)  # as an earlier version left it
+    today.unlink()
+
+    _no_measuring(monkeypatch)
+    calibration = sys.modules["infinigen.calibration"]
+    monkeypatch.setattr(calibration, "calibrate_skew", lambda *a, **k: pytest.fail("recalibrated"))
+    with attach(model, cfg, progress=False) as session:
+        assert session.artifact.fingerprint == model_fingerprint(model)
+    assert SkewArtifact.load(today).fingerprint == model_fingerprint(model)
+    with attach(model, cfg, skew=earlier, progress=False) as session:
+        assert session.artifact.fingerprint == model_fingerprint(model)
+    with pytest.raises(SkewArtifactError, match="another model"):
+        with attach(tiny_model("llama", seed=4), cfg, skew=earlier, progress=False):
+            pass

@@ -10,7 +10,7 @@ the runtime (the attach session, the cache, the selectors) only reads it:
    (`infinigen.eval.spread_choice`), once, at the reference budget: it serves every budget.
 
 The artifact is cached under `~/.cache/infinigen` (`INFINIGEN_CACHE_DIR`) by a fingerprint of the
-model's weights and config. A process that finds another one calibrating the same artifact waits
+model's weights (rounded to bfloat16: a model's float32 and bfloat16 copies share it) and config. A process that finds another one calibrating the same artifact waits
 for it (a lock file under the cache's `locks/` folder) and then reads what it stored.
 """
 
@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from infinigen.attach import Session
@@ -43,6 +44,7 @@ from infinigen.skew import (
     load_given,
     model_fingerprint,
 )
+from infinigen.skew.calibrate import rope_state_kept
 from infinigen.skew.choice import REFERENCE_BUDGET, MeasuredChoice, store_choice, stored_choice
 
 
@@ -65,6 +67,51 @@ def say(progress: bool, text: str) -> None:
         print(f"[infinigen] {text}", file=sys.stderr, flush=True)
 
 
+# The first use (calibration, then measurement) costs about this many forwards over the calibration
+# text, as a short timed forward scales up: SmolLM2-135M at 8192 tokens on 2 busy CPU cores said 57
+# minutes and took 51 in float32 (the tables' many small steps slow down with the cores as the
+# probe's do, which the arithmetic of a long forward alone would miss).
+FIRST_USE_FORWARDS = 6.0
+PROBE_TOKENS = 512  # the timed forwards behind the estimate (three: ~1 % of the first use at 8192 tokens)
+
+
+@torch.no_grad()
+def estimate_seconds(model: nn.Module, adapter, tokens: int) -> float:
+    """About how long the first use of `model` takes here, said before it starts: a forward of
+    `PROBE_TOKENS` tokens, timed, scaled to `tokens` by the forward's arithmetic
+    (the weights' linear in the tokens; attention quadratic, up to a layer's window), times
+    `FIRST_USE_FORWARDS`."""
+    n = min(tokens, PROBE_TOKENS)
+    ids = torch.zeros(1, n, dtype=torch.long, device=next(model.parameters()).device)
+    times = []
+    with rope_state_kept(model):
+        for _ in range(3):  # the first run pays for kernels made per shape; the least of the others
+            started = time.perf_counter()
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            _sync(ids.device)
+            times.append(time.perf_counter() - started)
+    per_flop = min(times[1:]) / forward_flops(model, adapter, n)
+    return per_flop * forward_flops(model, adapter, tokens) * FIRST_USE_FORWARDS
+
+
+def forward_flops(model: nn.Module, adapter, tokens: int) -> float:
+    """The arithmetic of one forward over `tokens`: the weights (the embeddings aside), and
+    attention over half the context on average (a sliding layer's window at most)."""
+    embeddings = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    weights = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+    keys = sum(min(tokens / 2, adapter.window(i) or tokens) for i in range(adapter.num_layers))
+    return 2 * weights * tokens + 4 * adapter.num_heads * adapter.head_dim * tokens * keys
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(seconds, 1):.0f} s" if seconds < 90 else f"{seconds / 60:.0f} minutes"
+
+
 class Calibrator:
     """Makes complete artifacts for one model: the given one, else the cached one, else a fresh
     calibration; then the measured choice if the artifact lacks it (saved with a cached one; a
@@ -83,29 +130,57 @@ class Calibrator:
         self.progress, self.given = progress, given
         self.adapter = get_adapter(model)
         self.fingerprint = model_fingerprint(model)
+        self._exact: str | None = None
 
     # ------------------------------------------------------------------ the two parts
     def skew_for(self, config: InfiniGenConfig) -> SkewArtifact:
         """The artifact of `config`'s skew settings, without the measured choice if it is new.
         The model must be as loaded (not folded); call it under `locked`."""
         if self.given is not None:
-            return load_given(self.given, self.fingerprint, config, self.adapter.num_layers)
+            return load_given(self.given, self.fingerprint, config, self.adapter.num_layers, self.exact_fingerprint)
         path = self.path(config)
-        art = load_cached(path, self.fingerprint, config, self.adapter.num_layers, self.tokenizer is not None)
+        art = self.cached(config, path)
         if art is not None:
             return art
         tokens = calibration_length(config.calibration_tokens, self.adapter)
-        say(
-            self.progress,
-            f"first use of this model with partial_ratio {config.partial_ratio:g}: calibrating it once "
-            f"({self.adapter.num_layers} layers; {tokens} tokens of prose and code), then measuring the budget's "
-            f"spread and correction target on held-out text; kept in {path}",
-        )
+        if self.progress:
+            text = "prose and code" if self.tokenizer is not None else "seeded random ids (no tokenizer)"
+            estimate = _duration(estimate_seconds(self.model, self.adapter, tokens))
+            say(
+                True,
+                f"first use of this model with partial_ratio {config.partial_ratio:g}: calibrating it once "
+                f"({self.adapter.num_layers} layers; {tokens} tokens of {text}), then measuring the budget's "
+                f"spread and correction target on held-out text: about {estimate} on this machine "
+                f"(a timed forward, scaled); kept in {path}",
+            )
         started = time.perf_counter()
         art = calibrate_skew(self.model, self.adapter, self.fingerprint, config, self.tokenizer, self.progress)
         art.meta["calibration_seconds"] = f"{time.perf_counter() - started:.1f}"
         self._save(art, path)
         return art
+
+    def cached(self, config: InfiniGenConfig, path: Path) -> SkewArtifact | None:
+        """The cached artifact at `path` if it serves `config`; else, if there is no file there,
+        the one an earlier version cached for this very model under its exact-bytes fingerprint
+        (`model_fingerprint`), saved at `path` now: an upgrade recalibrates nothing."""
+        layers, real_text = self.adapter.num_layers, self.tokenizer is not None
+        art = load_cached(path, self.fingerprint, config, layers, real_text)
+        if art is not None or path.is_file():
+            return art
+        old = cached_path(self.model, self.adapter, self.exact_fingerprint(), config, self.cache_dir)
+        if old == path or not old.is_file():
+            return None
+        art = load_cached(old, self.fingerprint, config, layers, real_text, exact=self.exact_fingerprint)
+        if art is not None:
+            self._save(art, path)
+        return art
+
+    def exact_fingerprint(self) -> str:
+        """The model's fingerprint by its exact bytes, as earlier versions keyed artifacts
+        (computed once, only when one is looked for: the model must be as loaded)."""
+        if self._exact is None:
+            self._exact = model_fingerprint(self.model, exact=True)
+        return self._exact
 
     def complete(self, session: Session, artifact: SkewArtifact, config: InfiniGenConfig) -> None:
         """Measure the choice through `session` (attached, holding `artifact`) if `config` reads it
@@ -200,7 +275,8 @@ def attach(
     context manager (``with attach(model, cfg) as session:``), or call `session.detach()`.
 
     On the first use of a model (and partial ratio) this calibrates it once (see the module
-    docstring; a message says what and where, progress bars say how long). skew: an artifact or
+    docstring; a message says what, about how long and where, progress bars how far). The float32
+    and bfloat16 copies of a model share their calibration. skew: an artifact or
     its path (default: the cached one, calibrated on the default text with `tokenizer` if there is
     none); progress: show what calibration does."""
     config = config or InfiniGenConfig()

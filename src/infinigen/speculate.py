@@ -62,12 +62,13 @@ def partial_projection(skew: torch.Tensor | None, channels: torch.Tensor, head_d
 
 
 def project_partial(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """x [B, Hx, T, d] (Hx = Hkv * G) onto projection [Hkv, d, c] -> [B, Hx, T, c]."""
+    """x [B, Hx, T, d] (Hx = Hkv * G) onto projection [Hkv, d, c] -> [B, Hx, T, c], in float32
+    (16-bit keys are projected exactly as float32 ones; the caller stores the result as it likes)."""
     b, hx, t, d = x.shape
     hkv, _, c = projection.shape
     g = hx // hkv
-    xs = x.reshape(b, hkv, g * t, d)
-    out = torch.matmul(xs, projection.to(x.dtype))  # broadcast over batch: [B, Hkv, G*T, c]
+    xs = x.reshape(b, hkv, g * t, d).to(torch.float32)
+    out = torch.matmul(xs, projection.to(torch.float32))  # broadcast over batch: [B, Hkv, G*T, c]
     return out.reshape(b, hx, t, c)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from infinigen.config import SelectionBudget
 from infinigen.growing import GrowingTensor
+from infinigen.skew.query_map import project_queries
 from infinigen.speculate import Selection
 
 
@@ -72,8 +73,9 @@ class Selector:
     def query(self, layer: int, x: torch.Tensor, position_embeddings) -> torch.Tensor:
         """The queries `select` is given, from the normalized input x [B, T, D] that `query_from`
         names: [B, H, T, d] post-RoPE, unscaled (the layer's own projection; InfiniGen may use a
-        fitted one)."""
-        return self.adapter.queries(layer, x, position_embeddings)
+        fitted one), in float32 whatever the model's dtype (`project_queries`)."""
+        q_proj = self.adapter.attention_modules()[layer].q_proj
+        return self.adapter.query_heads(layer, project_queries(q_proj, x), position_embeddings)
 
     def select(self, state: Any, layer: int, query: torch.Tensor | None, past: int, valid: torch.Tensor) -> Selection:
         """Positions of [0, past) the coming step attends, per (batch, KV head).

@@ -8,7 +8,9 @@ way. An artifact that cannot be used is never used: a cached one is recalibrated
 
 from __future__ import annotations
 
+import shlex
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from infinigen.paths import default_cache_dir
@@ -60,29 +62,41 @@ def skew_command(knobs, output: str | Path, model: str | None = None) -> str:
     """The `infinigen skew` command that computes the artifact `knobs` ask for into `output`."""
     parts = ["infinigen skew"]
     if model:
-        parts.append(f"--model {model}")
+        parts.append(f"--model {shlex.quote(str(model))}")
     parts.append(f"--partial-ratio {knobs.partial_ratio:g}")
     if not knobs.skew:
         parts.append("--no-skew")
     if knobs.calibration_tokens is not None:
         parts.append(f"--calibration-tokens {knobs.calibration_tokens}")
-    parts.append(f"--output {output}")
+    parts.append(f"--output {shlex.quote(str(output))}")
     return " ".join(parts)
 
 
+def beside(path: Path, knobs) -> Path:
+    """A file next to `path` named for `knobs`' artifact (`x.safetensors` -> `x-r0.3.safetensors`)."""
+    return path.with_name(f"{path.stem}-r{knobs.partial_ratio:g}{'' if knobs.skew else '-noskew'}{path.suffix}")
+
+
 def refuse_given(exc: SkewArtifactError, knobs, model: str | None = None) -> SkewArtifactError:
-    """`exc` about a given artifact file, with the way out: the exact command that recomputes it
-    (`model`: the command line's --model; without it, the command is the default model's)."""
+    """`exc` about a given artifact file, with the way out: the exact command that computes the
+    artifact `knobs` ask for (`model`: the command line's --model; without it, the command is the
+    default model's). Into the given file only if it is missing or unusable; a sound artifact of
+    another model or other settings is kept, and the command writes beside it."""
     if exc.path is None:
         return exc
-    command = skew_command(knobs, exc.path, model)
     hint = "" if model else " (with --model for a model other than the default)"
-    verb = "compute" if exc.reason == "was not found" else "so it is not used: recompute"
+    if exc.sound:
+        out = beside(exc.path, knobs)
+        way = f"so it is not used (and is kept): compute this run's with `{skew_command(knobs, out, model)}`{hint} "
+        way += f"and give --skew-file {shlex.quote(str(out))}"
+    else:
+        verb = "compute" if exc.reason == "was not found" else "so it is not used: recompute"
+        way = f"{verb} it with `{skew_command(knobs, exc.path, model)}`{hint}"
     return SkewArtifactError(
-        f"skew artifact {exc.path} {exc.reason}, {verb} it with `{command}`{hint}, "
-        "or go without it (the cached artifact, calibrated if needed)",
+        f"skew artifact {exc.path} {exc.reason}, {way}, or go without it (the cached artifact, calibrated if needed)",
         exc.path,
         exc.reason,
+        exc.sound,
     )
 
 
@@ -93,30 +107,44 @@ def cached_path(model, adapter, fingerprint: str, knobs, cache_dir: str | Path |
     return artifact_path(folder, model.config.model_type, fingerprint, knobs.partial_ratio, knobs.skew, tokens)
 
 
-def load_given(source: SkewArtifact | str | Path, fingerprint: str, knobs, num_layers: int) -> SkewArtifact:
-    """The artifact the user gave (in memory, or a file), verified against the model and `knobs`;
-    refused, with the command that recomputes it, if it cannot be read, is damaged or does not match."""
+def adopted(art: SkewArtifact, fingerprint: str, exact: Callable[[], str] | None) -> SkewArtifact:
+    """`art` keyed by today's `fingerprint` if an earlier version made it for this very model,
+    keyed by its exact bytes (`exact`: that fingerprint, computed only then), so that an upgrade
+    recalibrates nothing; any other artifact as it is (its verification refuses it)."""
+    if art.fingerprint != fingerprint and exact is not None and art.fingerprint == exact():
+        art.fingerprint = fingerprint
+    return art
+
+
+def load_given(
+    source: SkewArtifact | str | Path, fingerprint: str, knobs, num_layers: int, exact: Callable[[], str] | None = None
+) -> SkewArtifact:
+    """The artifact the user gave (in memory, or a file), verified against the model and `knobs`
+    (`exact`: see `adopted`); refused, with the command that recomputes it, if it cannot be read,
+    is damaged or does not match."""
     needs = needs_of(knobs)
     if isinstance(source, SkewArtifact):
-        source.verify(fingerprint, knobs.partial_ratio, knobs.skew, num_layers, **needs)
+        adopted(source, fingerprint, exact).verify(fingerprint, knobs.partial_ratio, knobs.skew, num_layers, **needs)
         return source
     try:
-        art = SkewArtifact.load(source)
+        art = adopted(SkewArtifact.load(source), fingerprint, exact)
         art.verify(fingerprint, knobs.partial_ratio, knobs.skew, num_layers, source, **needs)
     except SkewArtifactError as exc:
         raise refuse_given(exc, knobs) from None
     return art
 
 
-def load_cached(path: Path, fingerprint: str, knobs, num_layers: int, tokenizer_given: bool) -> SkewArtifact | None:
-    """The cached artifact at `path` if it can serve `knobs` (None if there is none); one that
-    cannot (damaged, of an old format, made for other settings or on another default text, or
-    lacking a table `knobs` read) is reported with a `SkewArtifactWarning` and not used: the caller
-    recalibrates and replaces it."""
+def load_cached(
+    path: Path, fingerprint: str, knobs, num_layers: int, tokenizer_given: bool, exact: Callable[[], str] | None = None
+) -> SkewArtifact | None:
+    """The cached artifact at `path` if it can serve `knobs` (None if there is none; `exact`: see
+    `adopted`); one that cannot (damaged, of an old format, made for other settings or on another
+    default text, or lacking a table `knobs` read) is reported with a `SkewArtifactWarning` and not
+    used: the caller recalibrates and replaces it."""
     if not path.is_file():
         return None
     try:
-        art = SkewArtifact.load(path)
+        art = adopted(SkewArtifact.load(path), fingerprint, exact)
         art.verify(fingerprint, knobs.partial_ratio, knobs.skew, num_layers, path, **needs_of(knobs))
         check_calibration_source(art, path, tokenizer_given=tokenizer_given)
     except SkewArtifactError as exc:
@@ -147,6 +175,7 @@ __all__ = [
     "SkewArtifact",
     "SkewArtifactError",
     "SkewArtifactWarning",
+    "adopted",
     "artifact_path",
     "calibrate",
     "calibration_ids",

@@ -29,12 +29,16 @@ _REQUIRED = ("fingerprint", "partial_ratio", "skewed", "calibration_tokens", "ch
 class SkewArtifactError(InfiniGenError, ValueError):
     """A skew artifact that cannot be used: unreadable, damaged, of an old format, or made for
     another model or other settings. `path` is its file (None for one in memory); `reason` is
-    what is wrong with it, without the way out that the message adds."""
+    what is wrong with it, without the way out that the message adds; `sound` says the file is a
+    good artifact of another model or other settings, which the way out must not overwrite."""
 
-    def __init__(self, message: str, path: str | os.PathLike | None = None, reason: str | None = None) -> None:
+    def __init__(
+        self, message: str, path: str | os.PathLike | None = None, reason: str | None = None, sound: bool = False
+    ) -> None:
         super().__init__(message)
         self.path = None if path is None else Path(path)
         self.reason = reason or message
+        self.sound = sound
 
 
 def checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
@@ -277,20 +281,23 @@ class SkewArtifact:
         `speculate_from` "fitted", one without the query maps; for `correction` None, one without
         the correction tables."""
 
-        def refuse(reason: str) -> SkewArtifactError:
-            return SkewArtifactError(f"skew artifact{'' if path is None else f' {path}'} {reason}", path, reason)
+        def refuse(reason: str, sound: bool = False) -> SkewArtifactError:
+            where = "" if path is None else f" {path}"
+            return SkewArtifactError(f"skew artifact{where} {reason}", path, reason, sound)
 
         if self.fingerprint != fingerprint:
             raise refuse(
-                f"was computed for another model (fingerprint {self.fingerprint[:16]}…, this model {fingerprint[:16]}…)"
+                f"was computed for another model (fingerprint {self.fingerprint[:16]}…, this model {fingerprint[:16]}…)",
+                sound=True,
             )
         if not math.isclose(self.partial_ratio, partial_ratio) or self.skewed != skewed:
             raise refuse(
                 f"has partial_ratio={self.partial_ratio}, skew={self.skewed}; "
-                f"the configuration asks for partial_ratio={partial_ratio}, skew={skewed}"
+                f"the configuration asks for partial_ratio={partial_ratio}, skew={skewed}",
+                sound=True,
             )
         if sorted(self.channels) != list(range(num_layers)):
-            raise refuse(f"covers {len(self.channels)} layers, the model has {num_layers}")
+            raise refuse(f"covers {len(self.channels)} layers, the model has {num_layers}", sound=True)
         missing = self.lacks(channel_allocation, speculate_from, correction)
         if missing is not None:
             raise refuse(missing)
@@ -306,8 +313,14 @@ def needs_of(knobs) -> dict:
     )
 
 
-def model_fingerprint(model: nn.Module) -> str:
-    """Hash of the model's config and every weight: a changed model never reuses a skew."""
+def model_fingerprint(model: nn.Module, exact: bool = False) -> str:
+    """Hash of the model's config and every weight: a changed model never reuses a skew.
+
+    Floating-point weights are hashed rounded to bfloat16, so that a model's float32 and bfloat16
+    copies share one artifact (calibrating costs minutes; the skew is a statistic of the queries,
+    which no rounding finer than bfloat16's moves). A float16 copy keeps its own: its weights were
+    rounded once more on the way. `exact`: the bytes as stored, how artifacts were keyed before
+    (`infinigen.skew.adopted`; for a bfloat16 model the two are the same)."""
     h = hashlib.blake2b(digest_size=20)
     cfg = model.config.to_dict()
     for volatile in (
@@ -325,7 +338,10 @@ def model_fingerprint(model: nn.Module) -> str:
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        t = p.detach().to("cpu").contiguous()
+        t = p.detach()
+        if not exact and t.is_floating_point():
+            t = t.to(torch.bfloat16)
+        t = t.to("cpu").contiguous()
         h.update(str(t.dtype).encode())
         if t.numel():
             h.update(memoryview(t.view(torch.uint8).numpy()))

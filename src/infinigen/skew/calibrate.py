@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from infinigen.models import ModelAdapter
 from infinigen.skew.artifact import SkewArtifact, model_fingerprint
 from infinigen.skew.channels import skew_from_qk
-from infinigen.skew.query_map import QUERY_MAP_DTYPE, apply_query_map, fit_query_map, own_projection
+from infinigen.skew.query_map import QUERY_MAP_DTYPE, apply_query_map, fit_query_map, own_projection, project_queries
 from infinigen.skew.tables import (
     CORRECTION_BUDGETS,
     CORRECTION_SHARES,
@@ -214,7 +214,7 @@ def _speculated_queries(adapter, layer, module, previous, target, pe, positions)
     late = (torch.arange(previous.shape[0], device=previous.device) >= half)[None, :, None]
     fitted = torch.where(late, apply_query_map(previous[None], first), apply_query_map(previous[None], second))
     out = {}
-    for name, projected in (("previous", module.q_proj(previous[None])), ("fitted", fitted.to(previous.dtype))):
+    for name, projected in (("previous", project_queries(module.q_proj, previous[None])), ("fitted", fitted)):
         q = adapter.query_heads(layer, projected, pe)[0]
         out[name] = q[:, positions.to(q.device)].to(torch.float32).cpu()
     return out

@@ -18,9 +18,19 @@ per-head norm and RoPE after it.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 QUERY_MAP_RIDGE = 0.1  # λ: chosen on the essays (docs/CHANGELOG.md, commit a1ece90)
 QUERY_MAP_DTYPE = torch.float16  # as stored in the artifact; applied in float32
+
+
+def project_queries(q_proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, D] through the layer's query projection as the model computes it, in the
+    projection's own dtype, then in float32 -> [B, T, H·d]: the speculation goes on in float32
+    from the very query the model forms. A float32 copy of a 16-bit model's weights would cost
+    their size again, or a conversion at every step (several times the projection itself on a CPU)."""
+    dtype = next((p.dtype for p in q_proj.parameters() if p.is_floating_point()), x.dtype)
+    return q_proj(x.to(dtype)).to(torch.float32)
 
 
 def own_projection(q_proj: torch.nn.Linear) -> torch.Tensor:
