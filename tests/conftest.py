@@ -241,3 +241,23 @@ def mount_tmpfs(tmp_path):
     yield make
     for point in mounted:
         subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `infinigen ARGV` run in-process."""
+    from infinigen.cli import main
+
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:  # argparse's own exits (usage errors)
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_error_line(err: str) -> str:
+    """The single `error: ...` line a failing command prints (no traceback)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]

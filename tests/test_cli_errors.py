@@ -10,25 +10,9 @@ from collections import namedtuple
 
 import pytest
 
-from conftest import open_files_in
+from conftest import one_error_line, open_files_in, run_cli
 from infinigen.cli import main
 from infinigen.errors import InputError
-
-
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = main(list(argv))
-    except SystemExit as exc:  # argparse's own exits (usage errors)
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.fixture
@@ -96,8 +80,8 @@ def test_every_expected_error_is_one_line(case, files, tiny_model_dir, capsys):
             pytest.skip("this machine has CUDA")
     argv = ["generate", "--model", str(tiny_model_dir), "--quiet", "--max-new-tokens", "2"]
     argv += [a.replace("{tmp}", str(files)) for a in args]
-    rc, out, err = _run(capsys, *argv)
-    line = _one_error_line(err)
+    rc, out, err = run_cli(capsys, *argv)
+    line = one_error_line(err)
     assert rc == status, err
     assert says.replace("{tmp}", str(files)) in line
     assert out == ""
@@ -107,18 +91,18 @@ def test_every_expected_error_is_one_line(case, files, tiny_model_dir, capsys):
 def test_the_exact_skew_command_names_the_model(files, tiny_model_dir, capsys):
     bad = files / "bad.safetensors"
     bad.write_bytes(b"\0" * 100)
-    rc, _, err = _run(
+    rc, _, err = run_cli(
         capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--skew-file", str(bad),
         "--partial-ratio", "0.5", "--calibration-tokens", "64",
     )  # fmt: skip
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert rc == 2
     command = f"infinigen skew --model {tiny_model_dir} --partial-ratio 0.5 --calibration-tokens 64 --output {bad}"
     assert f"`{command}`" in line
     # ... and that command, run as printed, makes an artifact the first command then accepts.
     assert main(command.split()[1:] + ["--quiet"]) == 0
     capsys.readouterr()
-    rc, out, err = _run(
+    rc, out, err = run_cli(
         capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--skew-file", str(bad),
         "--partial-ratio", "0.5", "--calibration-tokens", "64", "--max-new-tokens", "2",
     )  # fmt: skip
@@ -135,8 +119,8 @@ def test_a_skew_file_of_other_settings_is_kept_and_the_command_writes_beside_it(
     before = given.read_bytes()
     run = ["generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--max-new-tokens", "2"]
     run += ["--partial-ratio", "0.3", "--calibration-tokens", "64"]
-    rc, _, err = _run(capsys, *run, "--skew-file", str(given))
-    line = _one_error_line(err)
+    rc, _, err = run_cli(capsys, *run, "--skew-file", str(given))
+    line = one_error_line(err)
     beside = files / "r05-r0.3.safetensors"
     command = f"infinigen skew --model {tiny_model_dir} --partial-ratio 0.3 --calibration-tokens 64 --output {beside}"
     assert rc == 2 and "has partial_ratio=0.5" in line and "is kept" in line
@@ -144,7 +128,7 @@ def test_a_skew_file_of_other_settings_is_kept_and_the_command_writes_beside_it(
     assert main(command.split()[1:] + ["--quiet"]) == 0
     capsys.readouterr()
     assert given.read_bytes() == before
-    rc, out, err = _run(capsys, *run, "--skew-file", str(beside))
+    rc, out, err = run_cli(capsys, *run, "--skew-file", str(beside))
     assert rc == 0 and err == "" and "2 new tokens" in out
 
 
@@ -154,7 +138,7 @@ def test_help_is_for_users(capsys):
     from infinigen.cli import build_parser, version
     from infinigen.cli_settings import flag_help
 
-    rc, out, _ = _run(capsys, "--help")
+    rc, out, _ = run_cli(capsys, "--help")
     assert rc == 0 and out.startswith("usage: infinigen")
     assert "KV cache lives in a slow tier" in out and "generate" in out and "`infinigen generate |" not in out
     exit_line = next(line for line in out.splitlines() if line.startswith("exit status:"))
@@ -166,42 +150,42 @@ def test_help_is_for_users(capsys):
     for name in ("generate", "demo", "skew", "eval"):
         silent = [a.option_strings for a in commands[name]._actions if a.option_strings and not a.help]
         assert silent == [], name
-    rc, out, _ = _run(capsys, "--version")
+    rc, out, _ = run_cli(capsys, "--version")
     assert rc == 0 and out.strip() == f"infinigen {version()}" and version()[0].isdigit()
 
 
 @pytest.mark.parametrize("what", ["non-UTF-8", "empty", "missing"])
 def test_calibration_file_errors_name_the_file(what, files, tiny_model_dir, capsys):
     path = {"non-UTF-8": files / "latin1.txt", "empty": files / "empty.txt", "missing": files / "nope.txt"}[what]
-    rc, _, err = _run(
+    rc, _, err = run_cli(
         capsys, "skew", "--model", str(tiny_model_dir), "--quiet", "--calibration-file", str(path),
         "--output", str(files / "out.safetensors"),
     )  # fmt: skip
-    assert rc == 2 and f"calibration file {path}" in _one_error_line(err)
+    assert rc == 2 and f"calibration file {path}" in one_error_line(err)
     assert not (files / "out.safetensors").exists()
 
 
 def test_model_errors_are_one_line(tmp_path, tiny_model_dir, capsys):
-    rc, _, err = _run(capsys, "generate", "--model", str(tmp_path / "nowhere"), "--quiet", "--prompt", "a")
-    assert rc == 2 and "not found" in _one_error_line(err)
-    rc, _, err = _run(capsys, "generate", "--model", str(tmp_path), "--quiet", "--prompt", "a")
-    assert rc == 2 and "has no config.json" in _one_error_line(err)
+    rc, _, err = run_cli(capsys, "generate", "--model", str(tmp_path / "nowhere"), "--quiet", "--prompt", "a")
+    assert rc == 2 and "not found" in one_error_line(err)
+    rc, _, err = run_cli(capsys, "generate", "--model", str(tmp_path), "--quiet", "--prompt", "a")
+    assert rc == 2 and "has no config.json" in one_error_line(err)
     damaged = tmp_path / "damaged"
     shutil.copytree(tiny_model_dir, damaged)
     weights = damaged / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    rc, _, err = _run(capsys, "generate", "--model", str(damaged), "--quiet", "--prompt", "a")
-    assert rc == 1 and f"cannot load the model in {damaged}" in _one_error_line(err)
+    rc, _, err = run_cli(capsys, "generate", "--model", str(damaged), "--quiet", "--prompt", "a")
+    assert rc == 1 and f"cannot load the model in {damaged}" in one_error_line(err)
 
 
 def test_not_enough_space_is_one_line_before_the_model_runs(tmp_path, tiny_model_dir, capsys, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
-    rc, out, err = _run(
+    rc, out, err = run_cli(
         capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--policy", "full",
         "--tier", "disk", "--kv-dir", str(tmp_path),
     )  # fmt: skip
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert rc == 1 and f"not enough free space in {tmp_path}" in line and "1000 free" in line
     assert list(tmp_path.iterdir()) == [] and open_files_in(tmp_path) == []
 
@@ -220,11 +204,11 @@ def test_a_disk_that_fills_during_the_run_is_one_line_and_nothing_is_left(
         return real(fd, buf, offset)
 
     monkeypatch.setattr(os, "pwrite", full_after_probe)
-    rc, out, err = _run(
+    rc, out, err = run_cli(
         capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "x" * 300, "--policy", "full",
         "--tier", "disk", "--kv-dir", str(tmp_path), "--max-new-tokens", "40",
     )  # fmt: skip
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert rc == 1 and f"the disk holding the KV files ({tmp_path}) is full" in line
     assert list(tmp_path.iterdir()) == [] and open_files_in(tmp_path) == []
 
@@ -238,11 +222,11 @@ def test_a_read_only_kv_dir_is_one_line(how, tmp_path, tiny_model_dir, capsys, m
             pytest.skip("root writes through permissions")
         directory, says = tmp_path / "locked", "is not writable by this user"
         directory.mkdir(mode=0o555)
-    rc, _, err = _run(
+    rc, _, err = run_cli(
         capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a", "--policy", "full",
         "--tier", "disk", "--kv-dir", str(directory),
     )  # fmt: skip
-    assert rc == 1 and f"KV directory {directory} {says}" in _one_error_line(err)
+    assert rc == 1 and f"KV directory {directory} {says}" in one_error_line(err)
 
 
 def test_a_bug_is_one_line_that_points_at_debug(tiny_model_dir, capsys, monkeypatch):
@@ -252,8 +236,8 @@ def test_a_bug_is_one_line_that_points_at_debug(tiny_model_dir, capsys, monkeypa
         raise RuntimeError("shape mismatch\nin some kernel")
 
     monkeypatch.setattr(infinigen.generation, "run_generation", broken)
-    rc, _, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a")
-    line = _one_error_line(err)
+    rc, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--quiet", "--prompt", "a")
+    line = one_error_line(err)
     assert rc == 1
     assert line == (
         "error: internal error (RuntimeError: shape mismatch; in some kernel); run again with --debug for the traceback"

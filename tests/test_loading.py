@@ -12,28 +12,14 @@ import sys
 import pytest
 import torch
 
-from conftest import _byte_tokenizer, require_default_model
+from conftest import _byte_tokenizer, one_error_line, require_default_model, run_cli
 from infinigen.cli import main
 
 
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = main(list(argv))
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
-
-
 def _generate(capsys, model, *more: str) -> tuple[int, str, str]:
-    return _run(capsys, "generate", "--model", str(model), "--quiet", "--prompt", "hi", "--max-new-tokens", "2", *more)
+    return run_cli(
+        capsys, "generate", "--model", str(model), "--quiet", "--prompt", "hi", "--max-new-tokens", "2", *more
+    )
 
 
 # ---------------------------------------------------------------- model folders that cannot be used
@@ -59,7 +45,7 @@ def _copy_without(tiny_model_dir, tmp_path, *names: str):
 def test_a_folder_without_a_tokenizer_says_so(tiny_model_dir, tmp_path, capsys, no_load):
     folder = _copy_without(tiny_model_dir, tmp_path, "tokenizer.json", "tokenizer_config.json")
     rc, out, err = _generate(capsys, folder)
-    assert rc == 2 and f"model folder {folder} has no tokenizer (tokenizer.json" in _one_error_line(err)
+    assert rc == 2 and f"model folder {folder} has no tokenizer (tokenizer.json" in one_error_line(err)
     assert out == ""
 
 
@@ -82,7 +68,7 @@ def test_a_folder_of_another_family_names_the_supported_ones(family, tmp_path, c
     tok.save_pretrained(tmp_path)
     capsys.readouterr()
     rc, _, err = _generate(capsys, tmp_path)
-    line = _one_error_line(err)  # no transformers warnings around it: nothing was loaded
+    line = one_error_line(err)  # no transformers warnings around it: nothing was loaded
     assert rc == 2 and f"model type {family!r} in {tmp_path} is not supported" in line
     assert line.endswith("supported: gemma3_text, llama, mistral, opt, qwen2, qwen3")
 
@@ -100,7 +86,7 @@ def test_a_folder_of_another_family_names_the_supported_ones(family, tmp_path, c
 def test_a_model_that_is_not_there_is_input(spec, says, tmp_path, capsys):
     (tmp_path / "a-file").write_text("x")
     rc, _, err = _generate(capsys, spec.replace("{tmp}", str(tmp_path)))
-    assert rc == 2 and says in _one_error_line(err)
+    assert rc == 2 and says in one_error_line(err)
 
 
 # ---------------------------------------------------------------- the cache folder
@@ -130,7 +116,7 @@ def test_an_unwritable_cache_folder_is_refused_before_converting(tmp_path, capsy
     for cache, why in _unwritable_caches(tmp_path, mount_tmpfs):
         monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(cache))
         rc, out, err = _generate(capsys, gguf)
-        line = _one_error_line(err)
+        line = one_error_line(err)
         assert rc == 2 and out == ""
         assert line == (
             f"error: the cache folder {cache} ($INFINIGEN_CACHE_DIR) is not writable ({why}): "
@@ -141,8 +127,8 @@ def test_an_unwritable_cache_folder_is_refused_before_converting(tmp_path, capsy
 def test_skew_into_an_unwritable_cache_is_refused_before_calibrating(tiny_model_dir, tmp_path, capsys, monkeypatch):
     (tmp_path / "a-file").write_text("x")
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
-    rc, _, err = _run(capsys, "skew", "--model", str(tiny_model_dir), "--quiet", "--calibration-tokens", "64")
-    assert rc == 2 and "($INFINIGEN_CACHE_DIR) is not writable" in _one_error_line(err)
+    rc, _, err = run_cli(capsys, "skew", "--model", str(tiny_model_dir), "--quiet", "--calibration-tokens", "64")
+    assert rc == 2 and "($INFINIGEN_CACHE_DIR) is not writable" in one_error_line(err)
 
 
 # ---------------------------------------------------------------- progress bars
