@@ -68,10 +68,10 @@ def say(progress: bool, text: str) -> None:
 
 
 # The first use (calibration, then measurement) costs about this many forwards over the calibration
-# text, as a short timed forward scales up: SmolLM2-135M at 8192 tokens on 2 busy CPU cores said 57
-# minutes and took 51 in float32 (the tables' many small steps slow down with the cores as the
-# probe's do, which the arithmetic of a long forward alone would miss).
-FIRST_USE_FORWARDS = 6.0
+# text. SmolLM2-135M at 8192 tokens on 2 CPU cores took 8.9 forwards in float32 (156 s) and 17.7 in
+# bfloat16 (113 s: its forward is faster, the calibration's float32 tables are not); 12 keeps both
+# estimates within 2x (oversubscribed cores slow the probe about as much as the run: 2.2x, 1.4x).
+FIRST_USE_FORWARDS = 12.0
 PROBE_TOKENS = 512  # the timed forwards behind the estimate (three: ~1 % of the first use at 8192 tokens)
 
 
