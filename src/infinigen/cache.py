@@ -28,6 +28,7 @@ from infinigen.layers import (
     Positions,
     Shared,
 )
+from infinigen.memory import MemoryReport, memory_report
 from infinigen.roles import Role
 from infinigen.select import Selector
 from infinigen.storage import Storage
@@ -132,6 +133,7 @@ class InfiniGenCache(SessionCache):
                 layers.append(OffloadedLayer(OffloadSettings(i, role, pooled), self._shared, selector))
         super().__init__(layers=layers)
         self.closed_because: str | None = None  # why it was closed; None while open
+        self._memory_at_close: MemoryReport | None = None
         # Collected without close() (an output dropped, a session never detached): its files go too.
         self._finalizer = weakref.finalize(self, _release, layers, self.prefetch, self.storage)
 
@@ -228,6 +230,7 @@ class InfiniGenCache(SessionCache):
         """Release the tiers (remove disk files) and their threads (idempotent); `reason` ends the
         sentence a later use raises. The counters stay: `summary()` works on a closed cache."""
         if self.closed_because is None:
+            self._memory_at_close = self.memory()
             self.closed_because = reason
         self._finalizer()
 
@@ -247,6 +250,17 @@ class InfiniGenCache(SessionCache):
         self.close("its `with` block ended")
 
     # ------------------------------------------------------------------ reporting
+    def memory(self) -> MemoryReport:
+        """What this cache keeps with the compute now, by part, against dense's KV for the same
+        batch and positions (`infinigen.memory`); once closed, what it kept when it closed."""
+        if self.closed_because is not None and self._memory_at_close is not None:
+            return self._memory_at_close
+        return memory_report(self)
+
+    def shared_buffers_bytes(self) -> int:
+        """Bytes of the transfer buffers its offloaded layers share."""
+        return self._shared.buffers.nbytes
+
     def summary(self) -> dict[str, Any]:
         """What this generation moved and selected (decode steps only)."""
         c, stats = self.counters, self.storage.stats
@@ -262,6 +276,7 @@ class InfiniGenCache(SessionCache):
             fetched = sum(fractions) / len(fractions) if fractions else None
         tokens = max(c.decode_steps, 1) * max(c.batch, 1)
         pools = [layer.pool_counts() for layer in self.layers if isinstance(layer, OffloadedLayer)]
+        memory = self.memory().to_dict()
         return {
             "policy": self.config.policy,
             "policy_settings": self.selector.describe()
@@ -286,11 +301,10 @@ class InfiniGenCache(SessionCache):
             "host_pool_slots": sum(slots for _, slots in pools),
             "read_amplification": stats.amplification,
             "local_kv_bytes": sum(layer.peak_bytes for layer in self.layers if isinstance(layer, LocalLayer)),
-            "selector_bytes": sum(
-                layer.selecting.held_bytes()
-                for layer in self.layers
-                if isinstance(layer, OffloadedLayer) and layer.selecting is not None
-            ),
+            "selector_bytes": memory["compute_parts"]["speculation_state"],
+            "compute_kv_bytes": memory["compute_kv_bytes"],
+            "dense_kv_bytes": memory["dense_kv_bytes"],
+            "memory": memory,
             "per_layer": per_layer,
         }
 

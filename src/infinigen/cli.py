@@ -25,6 +25,7 @@ from pathlib import Path
 from infinigen.cli_settings import DISK_DEFAULTS, RUN_DEFAULTS, add_arguments, from_arguments, parse_setting
 from infinigen.config import POLICIES, ConfigError, InfiniGenConfig, setting_fields
 from infinigen.errors import InfiniGenError, InputError, is_input_error
+from infinigen.memory import format_bytes, memory_line
 
 DESCRIPTION = """\
 Generate text with a language model whose KV cache lives in a slow tier (host RAM, disk or
@@ -83,14 +84,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return args.prompt
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _print_run(r, show_text: bool = True) -> None:
     s = r.summary
     if s["fetched_fraction"] is None:
@@ -103,8 +96,9 @@ def _print_run(r, show_text: bool = True) -> None:
     tier = s["tier"] if s["fetched_fraction"] is not None else "no"
     print(
         f"    decode {r.tokens_per_s:.2f} tokens/s | prefill {r.prefill_seconds:.1f} s | KV fetched per step: {frac} "
-        f"| {_fmt_bytes(s['bytes_fetched_per_token'])} read per token ({tier} tier)"
+        f"| {format_bytes(s['bytes_fetched_per_token'])} read per token ({tier} tier)"
     )
+    print(f"    {memory_line(s['memory'])}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -161,7 +155,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     dense, full, ig = runs["dense"], runs["full"], runs["infinigen"]
     print(f"\nprompt: {dense.prompt_tokens} tokens of {source}; {dense.new_tokens} new tokens, greedy\n")
     print(f"infinigen's continuation:\n{ig.text[0]}\n")
-    head = f"{'':>10} {'where the KV lives':>26} {'tokens/s':>9} {'x dense':>8} {'x full':>7} {'MiB from tier/token':>19} {'same tokens as dense':>21}"
+    head = (
+        f"{'':>10} {'where the KV lives':>26} {'tokens/s':>9} {'x dense':>8} {'x full':>7} {'MiB from tier/token':>19} "
+        f"{'KV kept with compute':>21} {'same tokens as dense':>21}"
+    )
     print(head)
     print("-" * len(head))
     for policy, where in DEMO_ROWS:
@@ -173,17 +170,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
             where = f"{config.tier} tier" + (
                 f", {100 * (r.summary['fetched_fraction'] or 0):.1f}% read" if policy == "infinigen" else ", all read"
             )
+        m = r.summary["memory"]
+        kept = f"{m['compute_kv_bytes'] / 2**20:.1f} MiB = {100 * (m['compute_share_of_dense_kv'] or 0):.0f}%"
         print(
             f"{policy:>10} {where:>26} {r.tokens_per_s:>9.2f} {r.tokens_per_s / dense.tokens_per_s:>8.2f} "
-            f"{r.tokens_per_s / full.tokens_per_s:>7.2f} {read:>19.2f} {f'first {same} of {r.new_tokens}':>21}"
+            f"{r.tokens_per_s / full.tokens_per_s:>7.2f} {read:>19.2f} {kept:>21} {f'first {same} of {r.new_tokens}':>21}"
         )
     print(
         f"\nInfiniGen speculates each layer's attention one layer ahead and reads only the selected rows "
         f"({100 * (ig.summary['fetched_fraction'] or 0):.1f}% of the KV per speculated layer; its first "
         f"{config.dense_layers} layers keep their KV with the compute; rows it reads again come from a RAM block "
-        f"cache, {_fmt_bytes(ig.summary['bytes_cached'] / max(ig.summary['decode_steps'], 1))}/token). Measured on "
-        "this machine: decode tokens/s over the generated tokens, prefill excluded. The full matrix: "
-        "`infinigen bench decode`."
+        f"cache, {format_bytes(ig.summary['bytes_cached'] / max(ig.summary['decode_steps'], 1))}/token). Measured on "
+        "this machine: decode tokens/s over the generated tokens, prefill excluded. KV kept with compute: every "
+        f"KV-related byte held next to the compute at the end (weights apart), as a share of dense's KV in "
+        f"{config.kv_dtype or 'the compute dtype'}; infinigen's {memory_line(ig.summary['memory'])}. The full "
+        "matrix: `infinigen bench decode`."
     )
     if args.json:
         print(json.dumps({"runs": [r.to_json() for r in runs.values()]}))

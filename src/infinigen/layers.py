@@ -59,6 +59,10 @@ class Positions:
         self._valid[:, start : start + q] = valid
         self.padded = self.padded or not bool(valid.all())
 
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._valid is None else self._valid.nbytes
+
     def upto(self, batch: int, length: int, device) -> torch.Tensor:
         """[B, length] bool: the real tokens among the first `length` positions."""
         self._grow(batch, length, device)
@@ -146,6 +150,10 @@ class ComputeLayer(SessionLayer):
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
 
+    def held_bytes(self) -> int:
+        """Its preallocated buffers (room to grow included)."""
+        return sum(t.nbytes for t in (self._k, self._v) if t is not None)
+
     def close(self) -> None:
         self._k = self._v = self.keys = self.values = None
 
@@ -206,6 +214,10 @@ class LocalLayer(SessionLayer):
 
     def get_max_length(self) -> int:
         return self.window
+
+    def held_bytes(self) -> int:
+        """The window it holds now."""
+        return sum(t.nbytes for t in (self.keys, self.values) if t is not None)
 
     def close(self) -> None:
         self.keys = self.values = None

@@ -105,6 +105,10 @@ class RowBuffers:
     def __init__(self) -> None:
         self._pairs: dict[tuple[int, str], Rows] = {}
 
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self._pairs.values())
+
     def room(self, layer: int, like: KVTier, rows: int, dtype, device) -> Rows:
         key = (layer % 2, str(torch.device(device)))
         pair = self._pairs.get(key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import gc
 import io
 import json
@@ -26,6 +27,7 @@ import torch
 from infinigen.cli_settings import DISK_DEFAULTS, add_arguments, from_arguments
 from infinigen.config import POLICIES, InfiniGenConfig
 from infinigen.figures import pyplot
+from infinigen.memory import dense_kv_bytes
 from infinigen.provenance import commit, machine
 
 DEFAULT_POLICIES = ("dense", "dense-hf", "full", "infinigen")
@@ -50,7 +52,17 @@ def save_prefill(model, ids: torch.Tensor, path: Path, kv_dtype: torch.dtype) ->
     save_file(tensors, str(path))
 
 
+def _release_free_heap() -> None:
+    """Hand freed heap back to the OS (glibc keeps it otherwise), so that resident-set figures
+    count what is held, not what was once allocated (the prefill's replay, the loader's copies)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _reset_peak_rss() -> None:
+    _release_free_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux: reset the peak resident set size (VmHWM)
@@ -60,9 +72,18 @@ def _reset_peak_rss() -> None:
 
 def _peak_rss() -> int:
     """VmHWM in bytes (falls back to ru_maxrss where /proc is absent)."""
+    return _status_bytes("VmHWM:")
+
+
+def _rss() -> int:
+    """VmRSS in bytes now (the peak where /proc is absent)."""
+    return _status_bytes("VmRSS:")
+
+
+def _status_bytes(field: str) -> int:
     try:
         for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -86,7 +107,9 @@ class _HFDense:
         self.cache.update(k, v, i)
 
     def summary(self) -> dict:
-        return {"bytes_fetched": 0, "bytes_cached": 0, "read_amplification": None, "fetched_fraction": None,
+        held = sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values) if t is not None)
+        return {"memory": {"compute_kv_bytes": held, "compute_parts": {"dense_layers": held}, "tier_kv_bytes": 0},
+                "bytes_fetched": 0, "bytes_cached": 0, "read_amplification": None, "fetched_fraction": None,
                 "speculation_seconds": 0.0, "wait_seconds": 0.0, "per_layer": [], "reads": 0}  # fmt: skip
 
 
@@ -107,7 +130,9 @@ def run_child(args: argparse.Namespace) -> dict:
     model, tok = load_model(args.model, progress=False)
     device = torch.device(args.device)
     model.to(device)
-    rss_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    gc.collect()
+    _release_free_heap()
+    rss_model = _rss()  # the weights and the runtime, before any KV (not the loader's transient peak)
     adapter = get_adapter(model)
     b = args.batch
     with safe_open(args.kv_file, framework="pt") as f:
@@ -183,9 +208,16 @@ def run_child(args: argparse.Namespace) -> dict:
         "wait_ms_per_layer": [1000 * p["wait_seconds"] / steps for p in s["per_layer"]],
         "peak_rss_bytes": peak,
         "rss_after_model_bytes": rss_model,
+        "rss_over_model_bytes": peak - rss_model,  # to hold against compute_kv_bytes (+ tier_kv_bytes for ram)
         "kv_cache_bytes": kv_bytes,
         "local_kv_bytes": local_bytes,
         "selector_bytes": 0 if dense else s.get("selector_bytes", 0),
+        # What the policy keeps with the compute at the end, by part (infinigen.memory), against
+        # dense's KV for the same batch and positions in the KV's storage dtype.
+        "compute_kv_bytes": s["memory"]["compute_kv_bytes"],
+        "compute_parts": s["memory"]["compute_parts"],
+        "tier_kv_bytes": s["memory"]["tier_kv_bytes"],
+        "dense_kv_bytes": dense_kv_bytes(adapter, b, context + steps, cfg.storage_dtype() or torch.float32),
         "layers_offloaded": 0 if dense else global_layers,
         "tier": "compute" if dense else cfg.tier,
         "config": None if hf_dense else cfg.to_dict(),
@@ -230,7 +262,7 @@ def _fmt_table(rows: list[dict]) -> str:
     head = (
         f"{'policy':>10} {'ctx':>5} {'B':>2} {'tok/s':>8} {'x full':>7} {'x dense':>8} {'tier MiB':>8} {'cache MiB':>9} "
         f"{'reads':>6} {'ampl':>5} {'fetched':>8} {'spec ms':>8} {'wait %':>7} {'peak RSS':>9} {'local KV':>9} "
-        f"{'selector':>9}"
+        f"{'selector':>9} {'with compute':>12} {'% dense KV':>10}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -242,7 +274,8 @@ def _fmt_table(rows: list[dict]) -> str:
             f"{r.get('x_full', float('nan')):>7.2f} {r.get('x_dense', float('nan')):>8.2f} "
             f"{disk:>8.2f} {r['bytes_from_ram_per_token'] / 2**20:>9.2f} {r['reads_per_token']:>6.0f} {amp:>5} "
             f"{frac:>8} {r['speculation_ms_per_step']:>8.1f} {r['wait_pct']:>7.1f} {r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
-            f"{r.get('local_kv_bytes', 0) / 2**20:>7.1f}Mi {r.get('selector_bytes', 0) / 2**20:>7.1f}Mi"
+            f"{r.get('local_kv_bytes', 0) / 2**20:>7.1f}Mi {r.get('selector_bytes', 0) / 2**20:>7.1f}Mi "
+            f"{r['compute_kv_bytes'] / 2**20:>10.1f}Mi {100 * r['compute_kv_bytes'] / r['dense_kv_bytes']:>9.1f}%"
         )
     return "\n".join(out)
 

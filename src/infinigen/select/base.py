@@ -105,6 +105,11 @@ class Selector:
         attention skips computing them for those that do not."""
         return type(self).observe is not Selector.observe
 
+    def weight_bytes(self) -> int:
+        """Bytes of what it keeps per model, not per cache (calibrated projections, query maps):
+        reported apart, with the weights."""
+        return 0
+
     def describe(self) -> dict[str, Any]:
         """The selector and its knobs, JSON-safe."""
         knobs = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self.knobs).items()}

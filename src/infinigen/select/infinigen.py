@@ -181,6 +181,9 @@ class InfiniGenSelector(Selector):
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
         return q_part.to(torch.float32) * self.adapter.scaling(layer)
 
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in (*self.proj.values(), *self.query_maps.values()))
+
     def describe(self) -> dict:
         out = super().describe()
         if self.measured is not None:

@@ -167,6 +167,10 @@ class Storage:
         engine = self.engine_for(device if device is not None else self.device)
         return PinnedTier(batch, kv_heads, head_dim, dtype, stats, engine, capacity=self.pool_positions or 0)
 
+    def beside_compute(self) -> dict[str, int]:
+        """What the tiers share in the compute's memory: the disk tiers' read and staging buffers."""
+        return {"tier_buffers": self._threads.nbytes} if self._threads is not None else {}
+
     def close(self) -> None:
         """Stop the shared I/O threads (after the tiers are closed); idempotent."""
         threads, self._threads = self._threads, None

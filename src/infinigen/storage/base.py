@@ -208,6 +208,16 @@ class KVTier(ABC):
         """Positions this tier has forgotten for good (only a capped pool evicts)."""
         return 0
 
+    # ------------------------------------------------------------------ memory (infinigen.memory)
+    def stored_bytes(self) -> int:
+        """Bytes this layer's KV takes in the tier's medium (room to grow included)."""
+        return 0
+
+    def beside_compute(self) -> dict[str, int]:
+        """Bytes the tier keeps in the compute's memory for the medium's sake, by part (the
+        parts of `infinigen.memory.PARTS`); none by default."""
+        return {}
+
     def present(self, upto: int) -> torch.Tensor | None:
         """[B, Hkv, upto] bool of the positions still stored, or None when every one is (only a
         capped pool forgets positions)."""

@@ -35,7 +35,13 @@ class BlockCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the block copies."""
         return self.slots * self.block_size
+
+    @property
+    def maps_nbytes(self) -> int:
+        """Bytes of its block/slot maps."""
+        return self.slot_of.nbytes + self.block_in.nbytes + self.ref.nbytes + self.hand.nbytes
 
     def victim(self) -> int:
         """A slot for a new block (CLOCK), never one pinned by the current gather; -1 if none."""

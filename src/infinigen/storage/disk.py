@@ -191,7 +191,12 @@ def _aligned(nbytes: int) -> mmap.mmap:
 class IOThreads:
     """The threads disk tiers read with: one `control` thread runs each gather (plan, reads,
     unpacking) and `io` runs its reads, several in flight. Separate pools, so that a gather
-    waiting for its reads can never starve them. One instance serves every layer of a cache."""
+    waiting for its reads can never starve them. One instance serves every layer of a cache.
+
+    It also owns the aligned buffers the tiers read and stage writes in, one of each for every
+    layer: reads run one at a time on the control thread, and a prefill's writes one layer at a
+    time on the compute thread, so a buffer per tier would hold a layer's worth of KV per layer
+    (measured: twice dense's KV for full fetch at 4K) for nothing."""
 
     def __init__(self, readers: int) -> None:
         if readers < 1:
@@ -199,10 +204,32 @@ class IOThreads:
         self.readers = readers
         self.control = ThreadPoolExecutor(1, thread_name_prefix="infinigen-gather")
         self.io = ThreadPoolExecutor(readers, thread_name_prefix="infinigen-io")
+        self._read: mmap.mmap | None = None
+        self.read_address = 0
+        self._stage: mmap.mmap | None = None
+
+    def read_buffer(self, nbytes: int) -> mmap.mmap:
+        """The read buffer, grown to `nbytes` (page aligned); only the control thread uses it."""
+        if self._read is None or len(self._read) < nbytes:
+            self._read = _aligned(max(nbytes, 2 * len(self._read or b""), 1 << 16))
+            self.read_address = ctypes.addressof(ctypes.c_char.from_buffer(self._read))
+        return self._read
+
+    def stage_buffer(self, nbytes: int) -> mmap.mmap:
+        """The buffer a prefill's blocks are staged in before they are written (synchronously,
+        on the compute thread), grown to `nbytes`."""
+        if self._stage is None or len(self._stage) < nbytes:
+            self._stage = _aligned(nbytes)
+        return self._stage
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._read or b"") + len(self._stage or b"")
 
     def shutdown(self, wait: bool = True) -> None:
         self.control.shutdown(wait=wait)
         self.io.shutdown(wait=wait)
+        self._read = self._stage = None
 
 
 class _Resources:
@@ -282,9 +309,6 @@ class DiskTier(KVTier):
         self.bytes_read = 0  # bytes read from disk by this tier (amplification included)
         self.bytes_useful = 0  # bytes of the rows asked for that came from disk
         self._closed = False
-        self._stage: mmap.mmap | None = None
-        self._read_buf: mmap.mmap | None = None  # reused by every gather (they never overlap)
-        self._buffer_address = 0
         self._pending: list[Future] = []  # block writes handed to the I/O thread
 
         check_space(self.directory, 0)
@@ -555,13 +579,11 @@ class DiskTier(KVTier):
             self._pending.append(self.threads.control.submit(self._write_now, writes, buf))
 
     def _staging(self, need: int, keep: bool) -> mmap.mmap:
-        """An aligned buffer for a write; a prefill's reuses one kept buffer (written before the
-        next), a decode step's is its own (written later, behind the compute)."""
+        """An aligned buffer for a write; a prefill's reuses the buffer its I/O threads keep
+        (written before the next), a decode step's is its own (written later, behind the compute)."""
         if not keep or need > _STAGE_KEEP:
             return _aligned(need)
-        if self._stage is None or len(self._stage) < need:
-            self._stage = _aligned(max(need, self.regions * self.block_size))
-        return self._stage
+        return self.threads.stage_buffer(max(need, self.regions * self.block_size))
 
     def _write_now(self, writes: list[tuple[memoryview, int]], keepalive=None) -> None:
         if len(writes) > 1 and len(writes[0][0]) >= (64 << 10) and self.threads.readers > 1:
@@ -632,11 +654,8 @@ class DiskTier(KVTier):
         return out
 
     def _buffer(self, nbytes: int) -> mmap.mmap:
-        """The reused read buffer, grown to `nbytes` (page aligned)."""
-        if self._read_buf is None or len(self._read_buf) < nbytes:
-            self._read_buf = _aligned(max(nbytes, 2 * len(self._read_buf or b""), 1 << 16))
-            self._buffer_address = ctypes.addressof(ctypes.c_char.from_buffer(self._read_buf))
-        return self._read_buf
+        """The read buffer of this tier's I/O threads, grown to `nbytes` (page aligned)."""
+        return self.threads.read_buffer(nbytes)
 
     def _count(self, nbytes: int, disk_rows: int, ram_rows: int, seconds: float, reads: int = 0) -> None:
         useful = disk_rows * self.row_bytes
@@ -695,7 +714,7 @@ class DiskTier(KVTier):
                 cache.data.data_ptr() if cache else None, cache.slots if cache else 0,
                 cache.slot_of.ctypes.data if cache else None, cache.block_in.ctypes.data if cache else None,
                 cache.ref.ctypes.data if cache else None, cache.hand.ctypes.data if cache else None,
-                self.coalesce_gap_blocks, self.max_request_bytes, self._res.aio, self._buffer_address,
+                self.coalesce_gap_blocks, self.max_request_bytes, self._res.aio, self.threads.read_address,
                 len(buf), work.ctypes.data, work[m:].ctypes.data, rows.data_ptr(), stats.ctypes.data,
             )  # fmt: skip
             if rc > 0:
@@ -721,10 +740,11 @@ class DiskTier(KVTier):
             return 0, 0, 0, m
         if rec > blk:  # records span whole blocks (no cache then): plan them block by block
             runs, offsets, nbytes = self._plan(region[d], pos[d])
-            reqs = self._requests(runs, memoryview(self._buffer(nbytes)))
+            buf = self._buffer(nbytes)
+            reqs = self._requests(runs, memoryview(buf))
             self._drop_cache()
             self._read_many(reqs)
-            raw = torch.frombuffer(self._read_buf, dtype=torch.uint8, count=nbytes)
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
             rows[torch.from_numpy(d)] = raw.view(-1, rec)[torch.from_numpy(offsets // rec)]
             return nbytes, len(reqs), len(d), m - len(d)
         start = region[d] * self.region_bytes + pos[d] * rec
@@ -733,16 +753,17 @@ class DiskTier(KVTier):
         hit = slots >= 0
         if cache is not None:
             cache.ref[slots[hit]] = PINNED
-        nbytes, reads, where = 0, 0, np.full(len(blocks), -1, dtype=np.int64)
+        nbytes, reads, where, buf = 0, 0, np.full(len(blocks), -1, dtype=np.int64), None
         if not hit.all():
             missing = np.nonzero(~hit)[0]
             runs, at, nbytes = self._runs(blocks[missing])
             where[missing] = at
-            reqs = self._requests(runs, memoryview(self._buffer(nbytes)))
+            buf = self._buffer(nbytes)
+            reqs = self._requests(runs, memoryview(buf))
             self._drop_cache()
             self._read_many(reqs)
             reads = len(reqs)
-            raw = torch.frombuffer(self._read_buf, dtype=torch.uint8, count=nbytes).view(-1, blk)
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(-1, blk)
             for j in missing if cache is not None else ():
                 s = cache.victim()
                 if s < 0:
@@ -756,7 +777,7 @@ class DiskTier(KVTier):
             idx = (slots[which[c]] * blk + inside[c]) // rec
             rows[torch.from_numpy(d[c])] = cache.data.view(-1, rec)[torch.from_numpy(idx)]
         if len(r):
-            raw = torch.frombuffer(self._read_buf, dtype=torch.uint8, count=nbytes)
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
             idx = (where[which[r]] + inside[r]) // rec
             rows[torch.from_numpy(d[r])] = raw.view(-1, rec)[torch.from_numpy(idx)]
         if cache is not None:  # this gather's slots: used, no longer pinned
@@ -814,10 +835,24 @@ class DiskTier(KVTier):
 
     def peek_all(self):
         self.flush()
-        k, v, _ = self._read_prefix(self.length)
+        k, v, _ = self.threads.control.submit(self._read_prefix, self.length).result()  # where the buffer is used
         return k, v
 
     # ------------------------------------------------------------------ reporting / lifetime
+    def stored_bytes(self) -> int:
+        """The file's allocated blocks (the positions reserved or reached, records padded)."""
+        return self.regions * min(_round_up(self._allocated * self.record_bytes, self.block_size), self.region_bytes)
+
+    def beside_compute(self) -> dict[str, int]:
+        """RAM kept for the disk: the block cache's copies and its maps, the unwritten tails of
+        the regions and the aligned staging and read buffers (reused by every write and gather)."""
+        own = self._res.own_threads  # threads shared with other tiers are counted by their Storage
+        out = {"tier_buffers": self._tails.nbytes + (own.nbytes if own is not None else 0)}
+        if self.cache is not None:
+            out["block_cache"] = self.cache.nbytes
+            out["metadata"] = self.cache.maps_nbytes
+        return out
+
     @property
     def read_amplification(self) -> float:
         """Bytes read from disk per byte of the rows asked for (1.0 when nothing was read)."""
@@ -837,7 +872,6 @@ class DiskTier(KVTier):
         self._pending = []
         if self._res.own_threads is not None:
             self._res.own_threads.shutdown(wait=True)
-        self._stage = self._read_buf = None
         self._finalizer()
 
     def __enter__(self) -> DiskTier:

@@ -100,6 +100,9 @@ class Int4RamTier(KVTier):
     def row_bytes(self) -> int:
         return int4_row_bytes(self.head_dim, self.group)
 
+    def stored_bytes(self) -> int:
+        return sum(t.nbytes for t in (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz))
+
     def _alloc(self, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, h = self.batch, self.kv_heads
         return (

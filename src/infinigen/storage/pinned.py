@@ -55,6 +55,9 @@ class PinnedTier(KVTier):
         self._v = engine.host_empty((batch, kv_heads, capacity, head_dim), dtype)
         self._written = None  # marker of the last device→host write
 
+    def stored_bytes(self) -> int:
+        return self._k.nbytes + self._v.nbytes
+
     def _grow(self, need: int) -> None:
         cap = self._k.shape[2]
         if need <= cap:

@@ -89,6 +89,12 @@ class HostPool:
         """Positions evicted so far, summed over (b, h); each one is lost for good."""
         return self._evictions
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its slot maps and counters."""
+        maps = (self._slot_pos, self._count, self._stamp, self._slot_of, self._num_free)
+        return sum(t.nbytes for t in maps)
+
     def resident(self, upto: int | None = None) -> torch.Tensor:
         """[B, Hkv, T] bool, T = `upto` (default: length): True where the position is in the pool."""
         upto = self._check_upto(upto)
@@ -339,6 +345,10 @@ class PooledTier(RamTier):
 
     def present(self, upto: int) -> torch.Tensor:
         return self.pool.resident(upto)
+
+    def beside_compute(self) -> dict[str, int]:
+        """The pool's slot maps: every selection consults them."""
+        return {"metadata": self.pool.nbytes}
 
     def _gather(self, indices, valid, device, dtype, out=None):
         self._clock += 1

@@ -20,6 +20,9 @@ class RamTier(KVTier):
         self._k = torch.empty(batch, kv_heads, capacity, head_dim, dtype=dtype)
         self._v = torch.empty_like(self._k)
 
+    def stored_bytes(self) -> int:
+        return self._k.nbytes + self._v.nbytes
+
     def _grow(self, need: int) -> None:
         cap = self._k.shape[2]
         if need <= cap:
