@@ -147,6 +147,7 @@ def test_an_empty_kv_dir_is_refused_not_read_as_the_current_folder():
 INFINIGEN_KNOBS = (
     "alpha",
     "partial_ratio",
+    "partial_format",
     "aggregation",
     "skew",
     "calibration_tokens",

@@ -74,6 +74,7 @@ POLICIES: dict[str, PolicySpec] = {
     ),
 }
 AGGREGATIONS = ("max", "sum", "union", "mass")
+PARTIAL_FORMATS = ("kv", "int8", "int4")  # how InfiniGen keeps its partial keys (infinigen.select.quantized)
 ALLOCATIONS = ("auto", "uniform", "calibrated")
 CHANNEL_ALLOCATIONS = ("uniform", "calibrated")
 SPECULATION_INPUTS = ("previous", "fitted", "own")
@@ -120,6 +121,13 @@ class SpeculationKnobs(SelectionBudget):
     )
     partial_ratio: float = knob(
         0.75, "fraction r of the head dimension kept as partial channels", fraction(), advanced=True
+    )
+    partial_format: str = knob(
+        "kv",
+        "how the partial keys are kept with the compute: kv (the KV's storage dtype), int8 or int4 (codes with a "
+        "scale per channel and per position: about a half or a quarter of 16-bit, scored without widening)",
+        one_of(PARTIAL_FORMATS),
+        advanced=True,
     )
     aggregation: str = knob(
         "mass",

@@ -31,8 +31,11 @@ from infinigen.paths import default_cache_dir
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c")]
 AGGREGATIONS = {"max": 0, "union": 1, "sum": 2, "mass": 3}
-# The partial keys' formats the selection kernel reads (widened to float32 as it scores).
+# The partial keys' formats the selection kernel reads (widened to float32 as it scores); int8:
+# quantized codes, uint8: two 4-bit codes per byte (both with per-position scales,
+# `infinigen.select.quantized`).
 KEY_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CODE_FORMATS = {torch.int8: 3, torch.uint8: 4}
 MAX_GROUP = 16  # query heads per KV head the kernels take (select.c's MAX_GROUP)
 # -fno-trapping-math lets the compiler turn the kernels' float selects into vector blends (the
 # results are IEEE-identical; only floating-point exception flags could differ, and none are read).
@@ -88,9 +91,9 @@ def _compile() -> ctypes.CDLL:
 def _bind(lib: ctypes.CDLL) -> None:
     p, i64, f32, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
     lib.ig_select.restype = i64
-    lib.ig_select.argtypes = [p, cint, i64, i64, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, p, p, p, p, p]
+    lib.ig_select.argtypes = [p, cint, i64, i64, p, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, p, p, p, p, p]
     lib.ig_top_up.restype = i64
-    lib.ig_top_up.argtypes = [p, cint, i64, i64, p, i64, i64, i64, i64, p, cint, p, p, p, p, p, p, p]
+    lib.ig_top_up.argtypes = [p, cint, i64, i64, p, p, i64, i64, i64, i64, p, cint, p, p, p, p, p, p, p]
     lib.ig_widen.restype = None
     lib.ig_widen.argtypes = [p, cint, i64, p]
     u64 = ctypes.c_uint64
@@ -139,6 +142,19 @@ def _library_for(keys: torch.Tensor) -> ctypes.CDLL:
     return lib
 
 
+def _library_for_codes(codes: torch.Tensor, scales: torch.Tensor) -> ctypes.CDLL:
+    """The compiled kernels, after checking that they can read quantized keys and their scales."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the C selection kernel is unavailable: {_why_not}")
+    b, hkv, _, room = codes.shape
+    if codes.dtype not in CODE_FORMATS or not codes.is_contiguous() or codes.device.type != "cpu":
+        raise ValueError("codes must be a contiguous int8 or uint8 CPU tensor")
+    if scales.dtype != torch.float16 or not scales.is_contiguous() or tuple(scales.shape) != (b, hkv, 1, room):
+        raise ValueError(f"scales must be a contiguous float16 [{b}, {hkv}, 1, {room}] tensor")
+    return lib
+
+
 def widen(keys: torch.Tensor) -> torch.Tensor:
     """`keys` (contiguous, CPU, a `KEY_FORMATS` dtype) widened to float32 as the selection
     kernel widens them when it scores."""
@@ -158,6 +174,7 @@ def select(
     budget: float,
     budget_tokens: int | None,
     min_tokens: int,
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """InfiniGen's selection in one call (the rule of `speculate.aggregate_group` followed by
     `speculate.select_positions`, scores from `speculate.partial_scores`).
@@ -165,9 +182,12 @@ def select(
     keys: [B, Hkv, c, >= length] channel-major partial keys, contiguous, in a `KEY_FORMATS`
           dtype (16-bit keys are widened exactly to float32; the scores are float32 either way);
     query: [B, H, c] partial queries already multiplied by the attention scaling;
-    valid: [B, Hkv, length] bool, or None when every position exists.
+    valid: [B, Hkv, length] bool, or None when every position exists;
+    scales: for quantized keys (int8 codes [B, Hkv, c, >= length], or uint8 [B, Hkv, c/2, >= length]
+          holding two 4-bit codes per byte), the per-position scales [B, Hkv, 1, same room] float16;
+          the per-channel scales are already folded into `query`.
     Returns (indices [B, Hkv, n] ascending, padding slots 0; counts [B, Hkv])."""
-    call = _Call(keys, length, query, valid)
+    call = _Call(keys, length, query, valid, scales)
     n = call.lib.ig_select(
         *call.head, AGGREGATIONS[aggregation], float(alpha),
         float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens), *call.tail,
@@ -183,12 +203,13 @@ def top_up(
     aggregation: str,
     chosen: torch.Tensor,
     count: torch.Tensor,
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A correction's top-up in one call (the rule of `speculate.top_up` on the group scores of
     `speculate.aggregate_group`): per (batch, KV head), the `count` [B, Hkv] best positions by
     `query` (layer i's own, scaled) among the valid ones that `chosen` [B, Hkv, length] (bool)
     does not hold, fewer where fewer are open. Arguments and result as `select`."""
-    call = _Call(keys, length, query, valid)
+    call = _Call(keys, length, query, valid, scales)
     r = call.rows
     chosen_bytes = chosen.reshape(r, length).to(torch.uint8).contiguous()
     want = count.reshape(r).to(torch.int64).contiguous()
@@ -202,9 +223,16 @@ class _Call:
     """The arguments `select` and `top_up` share (keys, query, valid, scratch and output
     buffers), checked and laid out as the kernels read them."""
 
-    def __init__(self, keys: torch.Tensor, length: int, query: torch.Tensor, valid: torch.Tensor | None) -> None:
-        self.lib = _library_for(keys)
-        b, hkv, c, room = keys.shape
+    def __init__(
+        self, keys: torch.Tensor, length: int, query: torch.Tensor, valid: torch.Tensor | None, scales=None
+    ) -> None:
+        b, hkv, stored, room = keys.shape
+        if scales is None:
+            self.lib, fmt, c = _library_for(keys), KEY_FORMATS[keys.dtype], stored
+        else:
+            self.lib, fmt, c = _library_for_codes(keys, scales), CODE_FORMATS[keys.dtype], query.shape[-1]
+            if c != (stored if keys.dtype == torch.int8 else 2 * stored):
+                raise ValueError(f"a query of {c} channels for codes of {stored} rows ({keys.dtype})")
         g = query.shape[1] // hkv
         if not 0 <= length <= room:
             raise ValueError(f"length {length} exceeds the keys' room {room}")
@@ -221,8 +249,8 @@ class _Call:
         scratch.append(torch.empty_like(scratch[1]))
         self._keep += scratch
         self.head = (
-            keys.data_ptr(), KEY_FORMATS[keys.dtype], c * room, room, self._keep[0].data_ptr(), self.rows, g, c,
-            length, None if vmask is None else vmask.data_ptr(),
+            keys.data_ptr(), fmt, stored * room, room, None if scales is None else scales.data_ptr(),
+            self._keep[0].data_ptr(), self.rows, g, c, length, None if vmask is None else vmask.data_ptr(),
         )  # fmt: skip
         self.tail = (*(t.data_ptr() for t in scratch), self.out.data_ptr(), self.counts.data_ptr())
 

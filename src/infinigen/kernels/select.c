@@ -10,7 +10,8 @@
  * (no branches inside the position loops).
  *
  * Rows r = (batch, KV head). keys: channel-major [R][C][ld] (T columns used) in one of the key
- * formats below, query: [R][G][C]
+ * formats below ([R][C/2][ld] bytes for packed 4-bit codes), scales: [R][ld] half floats for the
+ * quantized formats (NULL otherwise), query: [R][G][C]
  * already multiplied by the attention scaling. valid: [R][T] bytes, or NULL when every
  * position exists.
  */
@@ -104,7 +105,7 @@ static float max_of(const float *x, int64_t n) {
 /* Key formats: the partial keys are kept at the KV's storage precision (a 16-bit format
  * halves what stays with the compute) and widened to float here, tile by tile. The widenings
  * are integer operations only (no F16C or AVX-512 BF16 needed), so they vectorize everywhere. */
-enum { KEYS_F32 = 0, KEYS_F16 = 1, KEYS_BF16 = 2 };
+enum { KEYS_F32 = 0, KEYS_F16 = 1, KEYS_BF16 = 2, KEYS_I8 = 3, KEYS_I4 = 4 };
 
 static inline float widen_f32(float x) { return x; }
 
@@ -128,10 +129,19 @@ static inline float widen_f16(uint16_t h) {
     return out.f;
 }
 
+/* scores[g][i] = acc[g][i] * s[i] for a tile of n positions (rows of scores are T apart). */
+static void write_scaled(float acc[MAX_GROUP][TILE], const uint16_t *s, int64_t G, int64_t n, float *scores,
+                         int64_t T) {
+    float st[TILE];
+    for (int64_t i = 0; i < n; i++) st[i] = widen_f16(s[i]);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < n; i++) scores[g * T + i] = acc[g][i] * st[i];
+}
+
 /* scores[g][t] = sum_c q[g][c] * k[c][t]: every key tile is read once for the whole group. */
-#define SCORE_ROW(NAME, KEY_T, WIDEN)                                                               \
-    static void NAME(const KEY_T *k, int64_t ld, const float *q, int64_t G, int64_t C, int64_t T,   \
-                     float *scores) {                                                               \
+#define SCORE_ROW(NAME, KEY_T, WIDEN, SCALED)                                                       \
+    static void NAME(const KEY_T *k, int64_t ld, const uint16_t *s, const float *q, int64_t G,      \
+                     int64_t C, int64_t T, float *scores) {                                         \
         for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                                  \
             const int64_t n = T - t0 < TILE ? T - t0 : TILE;                                        \
             float acc[MAX_GROUP][TILE];                                                             \
@@ -147,13 +157,46 @@ static inline float widen_f16(uint16_t h) {
                     for (int64_t i = 0; i < TILE; i++) acc[g][i] += qc * kt[i];                     \
                 }                                                                                   \
             }                                                                                       \
-            for (int64_t g = 0; g < G; g++) memcpy(scores + g * T + t0, acc[g], (size_t)n * sizeof(float)); \
+            if (SCALED) write_scaled(acc, s + t0, G, n, scores + t0, T);                            \
+            else for (int64_t g = 0; g < G; g++) memcpy(scores + g * T + t0, acc[g], (size_t)n * sizeof(float)); \
         }                                                                                           \
     }
 
-SCORE_ROW(score_row_f32, float, widen_f32)
-SCORE_ROW(score_row_f16, uint16_t, widen_f16)
-SCORE_ROW(score_row_bf16, uint16_t, widen_bf16)
+static inline float widen_i8(int8_t x) { return (float)x; }
+
+SCORE_ROW(score_row_f32, float, widen_f32, 0)
+SCORE_ROW(score_row_f16, uint16_t, widen_f16, 0)
+SCORE_ROW(score_row_bf16, uint16_t, widen_bf16, 0)
+SCORE_ROW(score_row_i8, int8_t, widen_i8, 1) /* quantized codes: see score_row_i4 */
+
+/* Quantized partial keys (infinigen.select.quantized): integer codes per channel and position
+ * and one half-float scale per position; the per-channel scale is folded into the query by the
+ * caller. scores[g][t] = s[t] * sum_c q[g][c] * code[c][t], the codes widened exactly. KEYS_I8:
+ * int8 codes [C][ld]. KEYS_I4: two channels per byte, [C/2][ld], channel 2j in the low nibble and
+ * 2j + 1 in the high one, each stored as code + 8 (C even: the caller pads a zero channel). */
+static void score_row_i4(const uint8_t *k, int64_t ld, const uint16_t *s, const float *q, int64_t G, int64_t C,
+                         int64_t T, float *scores) {
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        const int64_t n = T - t0 < TILE ? T - t0 : TILE;
+        float acc[MAX_GROUP][TILE];
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t i = 0; i < TILE; i++) acc[g][i] = 0.0f;
+        for (int64_t j = 0; j < C / 2; j++) {
+            float lo[TILE], hi[TILE];
+            const uint8_t *kc = k + j * ld + t0;
+            for (int64_t i = 0; i < n; i++) {
+                lo[i] = (float)((int)(kc[i] & 15) - 8);
+                hi[i] = (float)((int)(kc[i] >> 4) - 8);
+            }
+            for (int64_t i = n; i < TILE; i++) lo[i] = hi[i] = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const float q0 = q[g * C + 2 * j], q1 = q[g * C + 2 * j + 1];
+                for (int64_t i = 0; i < TILE; i++) acc[g][i] += q0 * lo[i] + q1 * hi[i];
+            }
+        }
+        write_scaled(acc, s + t0, G, n, scores + t0, T);
+    }
+}
 
 /* out[i] = keys[i] widened to float (the score pass's widening, exposed so that it can be
    checked against every 16-bit pattern). */
@@ -164,11 +207,13 @@ void ig_widen(const void *keys, int format, int64_t n, float *out) {
                                        : ((const float *)keys)[i];
 }
 
-static void score_row(const void *keys, int format, int64_t offset, int64_t ld, const float *q, int64_t G,
-                      int64_t C, int64_t T, float *scores) {
-    if (format == KEYS_F16) score_row_f16((const uint16_t *)keys + offset, ld, q, G, C, T, scores);
-    else if (format == KEYS_BF16) score_row_bf16((const uint16_t *)keys + offset, ld, q, G, C, T, scores);
-    else score_row_f32((const float *)keys + offset, ld, q, G, C, T, scores);
+static void score_row(const void *keys, int format, int64_t offset, int64_t ld, const uint16_t *s,
+                      const float *q, int64_t G, int64_t C, int64_t T, float *scores) {
+    if (format == KEYS_I8) score_row_i8((const int8_t *)keys + offset, ld, s, q, G, C, T, scores);
+    else if (format == KEYS_I4) score_row_i4((const uint8_t *)keys + offset, ld, s, q, G, C, T, scores);
+    else if (format == KEYS_F16) score_row_f16((const uint16_t *)keys + offset, ld, s, q, G, C, T, scores);
+    else if (format == KEYS_BF16) score_row_bf16((const uint16_t *)keys + offset, ld, s, q, G, C, T, scores);
+    else score_row_f32((const float *)keys + offset, ld, s, q, G, C, T, scores);
 }
 
 /* z[t]: the group's scores aggregated per position (see speculate.aggregate_group); -inf
@@ -225,10 +270,10 @@ static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, float *
 /* z[t]: row r's aggregated group scores, -inf where not valid (vr: that row's valid bytes, or
    NULL) and where the aggregation gives NaN. Returns the row's context (its valid positions);
    z is not written when that is 0. */
-static int64_t group_scores_row(const void *keys, int key_format, int64_t offset, int64_t ld, const float *q,
-                                int64_t G, int64_t C, int64_t T, const uint8_t *vr, int mode, float *scores,
-                                float *z, float *tmp) {
-    score_row(keys, key_format, offset, ld, q, G, C, T, scores);
+static int64_t group_scores_row(const void *keys, int key_format, int64_t offset, int64_t ld, const uint16_t *s,
+                                const float *q, int64_t G, int64_t C, int64_t T, const uint8_t *vr, int mode,
+                                float *scores, float *z, float *tmp) {
+    score_row(keys, key_format, offset, ld, s, q, G, C, T, scores);
     int64_t ctx = T;
     if (vr) {
         ctx = 0;
@@ -276,7 +321,8 @@ static void pad_rows(int64_t R, int64_t T, const int64_t *count, int64_t widest,
 }
 
 /* Returns the largest count over rows (the width of the selection). */
-int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const float *query,
+int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const uint16_t *scales,
+                  const float *query,
                   int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode,
                   float alpha, double budget, int64_t budget_tokens, int64_t min_tokens,
                   float *scores /* [G][T] */, float *z /* [T] */, float *tmp /* [T] */,
@@ -286,8 +332,8 @@ int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int6
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *vr = valid ? valid + r * T : NULL;
         out_count[r] = 0;
-        const int64_t ctx = group_scores_row(keys, key_format, r * key_row_stride, ld, query + r * G * C, G, C, T, vr,
-                                             mode, scores, z, tmp);
+        const int64_t ctx = group_scores_row(keys, key_format, r * key_row_stride, ld, scales ? scales + r * ld : NULL,
+                                             query + r * G * C, G, C, T, vr, mode, scores, z, tmp);
         if (ctx == 0) continue;
 
         /* threshold, cap, floor */
@@ -316,7 +362,8 @@ int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int6
 /* Speculate, then correct: per row, the want[r] best positions by the same group scores (from
    layer i's own query) among the valid ones that `chosen` [R][T] (bytes) does not hold, fewer
    when fewer are open. Same rule for ties as ig_select; returns the widest row. */
-int64_t ig_top_up(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const float *query,
+int64_t ig_top_up(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const uint16_t *scales,
+                  const float *query,
                   int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode, const uint8_t *chosen,
                   const int64_t *want, float *scores, float *z, float *tmp, int64_t *out_idx, int64_t *out_count) {
     if (G > MAX_GROUP) return -1;
@@ -328,8 +375,8 @@ int64_t ig_top_up(const void *keys, int key_format, int64_t key_row_stride, int6
         for (int64_t t = 0; t < T; t++) open += open_at(vr, ex, t);
         const int64_t count = want[r] < open ? want[r] : open;
         if (count <= 0) continue;
-        group_scores_row(keys, key_format, r * key_row_stride, ld, query + r * G * C, G, C, T, vr, mode, scores, z,
-                         tmp);
+        group_scores_row(keys, key_format, r * key_row_stride, ld, scales ? scales + r * ld : NULL, query + r * G * C,
+                         G, C, T, vr, mode, scores, z, tmp);
         out_count[r] = emit_above(z, vr, ex, T, count, cut_at(z, vr, ex, T, count, tmp), out_idx + r * T);
         if (out_count[r] > widest) widest = out_count[r];
     }

@@ -37,6 +37,7 @@ import infinigen.kernels as kernels
 from infinigen.config import SpeculationKnobs
 from infinigen.growing import GrowingTensor
 from infinigen.select.base import Selector
+from infinigen.select.quantized import QuantizedPartialKeys
 from infinigen.skew.calibrate import SPECULATED_INPUTS
 from infinigen.skew.choice import MeasuredChoice
 from infinigen.skew.query_map import apply_query_map, fold_skew_into_map
@@ -140,17 +141,22 @@ class InfiniGenSelector(Selector):
         """The fraction the speculation picks: the layer's budget less a calibrated top-up."""
         return self.budget(layer) - self.layer_corrections.get(layer, 0.0)
 
-    def new_state(self, layer: int) -> PartialKeys:
-        return PartialKeys()
+    def new_state(self, layer: int) -> PartialKeys | QuantizedPartialKeys:
+        fmt = self.knobs.partial_format
+        return PartialKeys() if fmt == "kv" else QuantizedPartialKeys(fmt)
 
-    def on_append(self, state: PartialKeys, layer, keys, valid) -> None:
-        kp = project_partial(keys, self.proj[layer]).to(self.kv_dtype or keys.dtype)
-        state.buffer.append(kp.transpose(-1, -2))
+    def on_append(self, state, layer, keys, valid) -> None:
+        kp = project_partial(keys, self.proj[layer])
+        if isinstance(state, QuantizedPartialKeys):
+            state.append(kp, valid)
+        else:
+            state.buffer.append(kp.to(self.kv_dtype or keys.dtype).transpose(-1, -2))
 
-    def scores(self, state: PartialKeys, layer: int, query: torch.Tensor, past: int, valid) -> torch.Tensor:
+    def scores(self, state, layer: int, query: torch.Tensor, past: int, valid) -> torch.Tensor:
         """Speculated group scores [B, Hkv, past] (-inf where not valid)."""
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
-        s = partial_scores(q_part, state.keys[:, :, :past], self.adapter.scaling(layer))
+        keys = state.keys(past) if isinstance(state, QuantizedPartialKeys) else state.keys[:, :, :past]
+        s = partial_scores(q_part, keys, self.adapter.scaling(layer))
         return aggregate_group(s, valid, self.adapter.num_kv_heads, self.knobs.aggregation)
 
     def select(self, state, layer, query, past, valid) -> Selection:
@@ -158,24 +164,32 @@ class InfiniGenSelector(Selector):
         budget = self.speculated_budget(layer)
         if k.block_tokens <= 1 and self._kernel_reads(state, query):
             # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
+            keys, q, scales = self._kernel_operands(state, layer, query)
             idx, counts = kernels.select(
-                state.buffer.full, past, self._scaled_partial_query(layer, query),
-                None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
-                budget, k.budget_tokens, k.min_tokens,
+                keys, past, q, None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
+                budget, k.budget_tokens, k.min_tokens, scales=scales,
             )  # fmt: skip
             return _selection(idx, counts)
         g = self.scores(state, layer, query, past, valid)
         return select_blocks(g, valid, k.block_tokens, self.alpha(layer), budget, k.budget_tokens, k.min_tokens)
 
-    def _kernel_reads(self, state: PartialKeys, query: torch.Tensor) -> bool:
+    def _kernel_reads(self, state, query: torch.Tensor) -> bool:
         """Whether the C kernels can score these partial keys (else the tensor path does)."""
-        keys = state.buffer.full
+        quantized = isinstance(state, QuantizedPartialKeys)
+        keys = state.codes.full if quantized else state.buffer.full
         return (
-            keys.dtype in kernels.KEY_FORMATS
+            (quantized or keys.dtype in kernels.KEY_FORMATS)
             and keys.device.type == "cpu"
             and query.shape[1] // keys.shape[1] <= kernels.MAX_GROUP
             and kernels.available()
         )
+
+    def _kernel_operands(self, state, layer: int, query: torch.Tensor):
+        """(keys, scaled partial query, scales or None) as the kernels take them."""
+        q = self._scaled_partial_query(layer, query)
+        if isinstance(state, QuantizedPartialKeys):
+            return state.codes.full, state.kernel_query(q), state.scales.full
+        return state.buffer.full, q, None
 
     def _scaled_partial_query(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
@@ -208,10 +222,10 @@ class InfiniGenSelector(Selector):
         count = torch.ceil(ctx.to(torch.float64) * fraction).to(torch.long)
         chosen = selection_mask(selection, past)
         if self._kernel_reads(state, query):
+            keys, q, scales = self._kernel_operands(state, layer, query)
             idx, counts = kernels.top_up(
-                state.buffer.full, past, self._scaled_partial_query(layer, query), None if all_valid else valid,
-                self.knobs.aggregation, chosen, count,
-            )  # fmt: skip
+                keys, past, q, None if all_valid else valid, self.knobs.aggregation, chosen, count, scales=scales
+            )
             return _selection(idx, counts)
         return top_up(self.scores(state, layer, query, past, valid), valid, chosen, count)
 

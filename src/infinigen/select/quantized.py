@@ -1,0 +1,119 @@
+"""Partial keys in 8 or 4 bits: InfiniGen's speculation state at a quarter or an eighth of its
+16-bit size, scored without widening the cache.
+
+The partial keys are the one part of InfiniGen that grows with the context and stays with the
+compute. After the skew, their channels differ in scale by orders of magnitude (the skew moves
+the energy into a few channels), and each position differs in magnitude too. So a key is stored as
+
+    k[c, t] ~= sigma[c] * s[t] * code[c, t]
+
+with `sigma` one scale per channel (the root mean square of that channel over the prompt, per
+batch row and KV head: measured on the sequence itself, once, at its first append), `s` one scale
+per position (its largest |k / sigma| over the channels, / 127 or / 7, kept as float16) and
+`code` a signed integer (int8, or 4 bits packed two channels per byte). Nothing is clipped: a
+later position larger than the prompt's only gets a larger `s`. A score is then
+
+    q . k ~= s[t] * sum_c (q[c] * sigma[c]) * code[c, t]
+
+so the selection kernel folds `sigma` into the query once per step and reads the codes as they
+are stored (`kernels.select` with `scales`); `dequantize` is the tensor path's fallback and the
+reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from infinigen.growing import GrowingTensor
+
+LEVELS = {"int8": 127, "int4": 7}
+
+
+@dataclass
+class QuantizedPartialKeys:
+    """One layer's partial keys as codes [B, Hkv, c (int8) or c/2 (int4, uint8), T] and scales
+    [B, Hkv, 1, T] (float16), both channel-major and grown together, plus `sigma` [B, Hkv, c]."""
+
+    fmt: str
+    codes: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=-1))
+    scales: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=-1))
+    sigma: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.codes.length
+
+    def append(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """keys [B, Hkv, n, c] (projected partial keys, float32); valid [B, n] real tokens."""
+        if self.sigma is None:
+            self.sigma = channel_scales(keys, valid)
+        codes, scales = quantize(keys, self.sigma, self.fmt)
+        self.codes.append(codes)
+        self.scales.append(scales)
+        assert self.codes.full.shape[-1] == self.scales.full.shape[-1]  # one room: the kernel's one stride
+
+    def keys(self, length: int) -> torch.Tensor:
+        """The first `length` positions dequantized, [B, Hkv, length, c] float32 (the reference)."""
+        return dequantize(self.codes.data[..., :length], self.scales.data[..., :length], self.sigma, self.fmt)
+
+    def kernel_query(self, query: torch.Tensor) -> torch.Tensor:
+        """query [B, H, c] (scaled partial queries) with sigma folded in, padded to an even channel
+        count for int4: what the kernel multiplies the codes by."""
+        b, h, c = query.shape
+        hkv = self.sigma.shape[1]
+        q = query.to(torch.float32).reshape(b, hkv, h // hkv, c) * self.sigma[:, :, None, :]
+        if self.fmt == "int4" and c % 2:
+            q = torch.nn.functional.pad(q, (0, 1))
+        return q.reshape(b, h, -1)
+
+
+def channel_scales(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """sigma [B, Hkv, c]: each channel's root mean square over the real positions of `keys`
+    [B, Hkv, n, c], floored at 1e-6 of the row's largest (a silent channel must not divide by 0);
+    1 for a row without any real position."""
+    k = keys.to(torch.float32)
+    w = valid.to(torch.float32)[:, None, :, None]  # [B, 1, n, 1]
+    count = w.sum(2).clamp(min=1.0)
+    rms = ((k * k * w).sum(2) / count).sqrt()
+    floor = rms.amax(-1, keepdim=True) * 1e-6
+    sigma = torch.maximum(rms, floor)
+    return torch.where(sigma > 0, sigma, torch.ones_like(sigma))
+
+
+def quantize(keys: torch.Tensor, sigma: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [B, Hkv, n, c] -> (codes channel-major [B, Hkv, c or ceil(c/2), n], scales [B, Hkv, 1, n]
+    float16). The codes are rounded against the float16 scale as stored, so dequantizing gives
+    back what the kernel scores."""
+    levels = LEVELS[fmt]
+    x = keys.to(torch.float32) / sigma[:, :, None, :]
+    scale = (x.abs().amax(-1) / levels).to(torch.float16)  # [B, Hkv, n]
+    s = scale.to(torch.float32)
+    codes = torch.round(x / torch.where(s > 0, s, torch.ones_like(s))[..., None]).clamp(-levels, levels)
+    codes = codes.to(torch.int8).transpose(-1, -2)  # [B, Hkv, c, n]
+    if fmt == "int4":
+        if codes.shape[2] % 2:
+            codes = torch.nn.functional.pad(codes, (0, 0, 0, 1))
+        biased = (codes + 8).to(torch.uint8)
+        codes = biased[:, :, 0::2] | (biased[:, :, 1::2] << 4)
+    return codes.contiguous(), scale[:, :, None, :].contiguous()
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, sigma: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The inverse of `quantize` up to rounding: [B, Hkv, n, c] float32."""
+    c = sigma.shape[-1]
+    if fmt == "int4":
+        low = (codes & 15).to(torch.int8) - 8
+        high = (codes >> 4).to(torch.int8) - 8
+        codes = torch.stack([low, high], dim=3).reshape(*codes.shape[:2], -1, codes.shape[-1])[:, :, :c]
+    x = codes.to(torch.float32) * scales.to(torch.float32)  # [B, Hkv, c, n]
+    return x.transpose(-1, -2) * sigma[:, :, None, :]
+
+
+def partial_bytes_per_position(fmt: str, channels: int, kv_itemsize: int) -> float:
+    """Bytes one position of one KV head takes in the speculation state under `fmt`."""
+    if fmt == "kv":
+        return channels * kv_itemsize
+    codes = channels if fmt == "int8" else (channels + 1) // 2
+    return codes + 2  # + its float16 scale
