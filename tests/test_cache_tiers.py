@@ -218,7 +218,8 @@ def _fill(directory, name="filler") -> int:
 
 def test_a_disk_that_fills_mid_run_fails_clearly_and_frees_the_files(mount_tmpfs):
     """A real full disk (a 512 KiB tmpfs): the run reserved its prompt's room and grows on
-    demand; another writer then takes the rest of the disk; the next growth fails with the
+    demand (a cache kept for a continuation, return_dict_in_generate, is not sized to this call's
+    length); another writer then takes the rest of the disk; the next growth fails with the
     sentence, and the KV files' blocks are free again once the error has unwound."""
     import shutil
 
@@ -240,7 +241,7 @@ def test_a_disk_that_fills_mid_run_fails_clearly_and_frees_the_files(mount_tmpfs
         try:
             model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=100, do_sample=False, pad_token_id=0,
-                stopping_criteria=StoppingCriteriaList([FillTheDisk()]),
+                stopping_criteria=StoppingCriteriaList([FillTheDisk()]), return_dict_in_generate=True,
             )  # fmt: skip
         except KVStorageError as exc:
             if "O_DIRECT" in str(exc):

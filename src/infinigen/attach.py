@@ -32,6 +32,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from infinigen.attention import ATTN_NAME, register_attention
+from infinigen.budget import Request, plan
 from infinigen.cache import ContextTooLongError, InfiniGenCache, SessionCache
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InfiniGenError
@@ -169,7 +170,7 @@ class Session:
                 if isinstance(cache, InfiniGenCache):
                     cache.check_open()
                 return generate(*args, **kwargs)
-            cache = self.new_cache()
+            cache = self.new_cache(**_planned_size(settings, args, kwargs))
             self._last = weakref.ref(cache)  # dropping an output handed back releases its files
             try:
                 out = generate(
@@ -270,19 +271,31 @@ class Session:
 
     # ------------------------------------------------------------------ caches
     def new_cache(
-        self, config: InfiniGenConfig | None = None, *, max_length: int | None = None, trace: bool = False
+        self,
+        config: InfiniGenConfig | None = None,
+        *,
+        max_length: int | None = None,
+        batch: int | None = None,
+        trace: bool = False,
     ) -> InfiniGenCache:
         """A fresh cache for one generation (`config` defaults to the session's).
 
         max_length: the positions the generation will reach (prompt + new tokens), if known;
-        trace: keep a record of every transfer (`cache.trace`)."""
+        batch: its rows, if known (both size the plan of what stays with the compute, and a
+        `compute_memory` budget is checked against them here, before any KV exists: default the
+        model's context and 1); trace: keep a record of every transfer (`cache.trace`)."""
         if not self.attached:
             raise RuntimeError("this session is detached: attach the model again to make a cache")
         config = config or self.config
+        request = Request(batch or 1, max_length or self.adapter.max_positions)
+        dtype = next(self.model.parameters()).dtype
+        planned = plan(config, self.adapter, self.selector_for, request, dtype)  # refuses what cannot fit
+        config = planned.config
         observer = self._observer_for(config) if self._observer_for is not None else None
         cache = InfiniGenCache(
-            config, self.adapter, self.selector_for(config), max_length=max_length, trace=trace, observer=observer
-        )
+            config, self.adapter, planned.selector, max_length=max_length, trace=trace, observer=observer,
+            plan=planned,
+        )  # fmt: skip
         self._caches.add(cache)
         return cache
 
@@ -341,6 +354,20 @@ def check_generation_length(prompt: int, settings: GenerationConfig, limit: int)
             f"max_length ({settings.max_length}) exceeds the model's context of {limit} positions: "
             "lower max_length, or give max_new_tokens"
         )
+
+
+def _planned_size(settings: GenerationConfig, args: tuple, kwargs: dict) -> dict[str, int]:
+    """new_cache's `batch` and `max_length` for a plain generate, where the call says them: the
+    rows (times num_return_sequences) and the prompt plus max_new_tokens. A cache handed back
+    for a continuation (return_dict_in_generate) is not capped at this call's length."""
+    out = {}
+    for x in (args[0] if args else None, kwargs.get("inputs"), kwargs.get("input_ids"), kwargs.get("inputs_embeds")):
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            out["batch"] = int(x.shape[0]) * (settings.num_return_sequences or 1)
+            if settings.max_new_tokens is not None and not settings.return_dict_in_generate:
+                out["max_length"] = int(x.shape[1]) + settings.max_new_tokens
+            break
+    return out
 
 
 def _prompt_length(args: tuple, kwargs: dict) -> int | None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from infinigen.budget import MemoryBudgetError, Plan, transfer_rows
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InfiniGenError
 from infinigen.layers import (
@@ -32,7 +33,7 @@ from infinigen.memory import MemoryReport, memory_report
 from infinigen.roles import Role
 from infinigen.select import Selector
 from infinigen.storage import Storage
-from infinigen.transfer import CacheCounters
+from infinigen.transfer import CacheCounters, RowBuffers
 
 HOW_TO_MAKE = (
     "an InfiniGenCache is made by an attach session: "
@@ -87,6 +88,7 @@ class InfiniGenCache(SessionCache):
         max_length: int | None = None,
         trace: bool = False,
         observer: AttendObserver | None = None,
+        plan: Plan | None = None,
     ) -> None:
         if isinstance(config, nn.Module) or not isinstance(config, InfiniGenConfig):
             raise TypeError(HOW_TO_MAKE)
@@ -95,6 +97,7 @@ class InfiniGenCache(SessionCache):
         self.config = config
         self.adapter = adapter
         self.selector = selector
+        self.plan = plan  # what was planned to stay with the compute (budget.plan), if planned
         limit = adapter.max_positions
         if max_length is not None and not 0 < max_length <= limit:
             raise ContextTooLongError(f"max_length {max_length} must be in [1, {limit}] (the model's context)")
@@ -121,7 +124,10 @@ class InfiniGenCache(SessionCache):
         self.counters = CacheCounters(trace=[] if trace else None)
         # Selection and fetch of a layer run here while the compute thread finishes the layer before.
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="infinigen-prefetch") if selector else None
-        self._shared = Shared(self.storage, self.positions, self.counters, prefetch=self.prefetch, observer=observer)
+        rows = transfer_rows(config, adapter, selector, max_length) if max_length is not None else 0
+        self._shared = Shared(
+            self.storage, self.positions, self.counters, RowBuffers(rows), prefetch=self.prefetch, observer=observer
+        )
         layers: list[Any] = []
         for i, role in enumerate(roles):
             if role == Role.COMPUTE:
@@ -175,6 +181,13 @@ class InfiniGenCache(SessionCache):
             )
         if self._batch is not None and shape[0] != self._batch:
             raise CacheInputError(f"this cache holds a batch of {self._batch}, got key_states {shape}")
+        budget = self.plan.budget if self.plan is not None else None
+        if self._batch is None and budget is not None and shape[0] > self.plan.request.batch:
+            raise MemoryBudgetError(
+                f"this cache was planned for a batch of {self.plan.request.batch} within compute_memory "
+                f"{self.config.compute_memory}, got {shape[0]} rows: make the cache with "
+                f"session.new_cache(batch={shape[0]}, max_length=...) so that the plan checks them"
+            )
         layer = self.layers[layer_idx]
         if layer.is_initialized and (keys.dtype != layer.dtype or keys.device != layer.device):
             raise CacheInputError(
@@ -305,6 +318,7 @@ class InfiniGenCache(SessionCache):
             "compute_kv_bytes": memory["compute_kv_bytes"],
             "dense_kv_bytes": memory["dense_kv_bytes"],
             "memory": memory,
+            "plan": None if self.plan is None else self.plan.describe(),
             "per_layer": per_layer,
         }
 

@@ -99,6 +99,10 @@ def _print_run(r, show_text: bool = True) -> None:
         f"| {format_bytes(s['bytes_fetched_per_token'])} read per token ({tier} tier)"
     )
     print(f"    {memory_line(s['memory'])}")
+    plan = s.get("plan")
+    if plan and plan["compute_memory_bytes"] is not None:
+        gave_up = "; ".join(plan["changes"]) or "nothing given up"
+        print(f"    within compute_memory {format_bytes(plan['compute_memory_bytes'])} (planned): {gave_up}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ import torch
 
 from infinigen.roles import Role
 from infinigen.storage import COPY_ENGINES, EVICTIONS, TIERS, check_combination
-from infinigen.validation import ConfigError, Rule, Validated, at_least, fraction, knob, one_of
+from infinigen.validation import ConfigError, Rule, Validated, at_least, fraction, knob, one_of, parse_size, size
 
 
 # ---------------------------------------------------------------------- policies
@@ -260,6 +260,13 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         fraction(),
     )
     eviction: str = knob("counter", "host pool victim: counter (least fetched), lru or fifo", one_of(EVICTIONS))
+    compute_memory: str | None = knob(
+        None,
+        "the most KV-related bytes kept next to the compute (e.g. 512MiB): the cache gives up block cache, then "
+        "partial-key precision, then keeping the dense layers, to fit, and refuses a request that cannot; default: "
+        "no budget",
+        size(),
+    )
     measure_recall: bool = knob(
         False, "also compute dense attention to report recall (evaluation only; slow)", advanced=True
     )
@@ -294,6 +301,11 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     @property
     def spec(self) -> PolicySpec:
         return POLICIES[self.policy]
+
+    @property
+    def compute_memory_bytes(self) -> int | None:
+        """`compute_memory` in bytes (None: no budget)."""
+        return None if self.compute_memory is None else parse_size(self.compute_memory)
 
     @property
     def resolved_budget(self) -> float:

@@ -106,7 +106,7 @@ def run_generation(
     clock = _StepClock(max_new_tokens, progress)
     with contextlib.closing(clock), attach(model, config, skew=skew, tokenizer=tokenizer, progress=progress) as session:
         # The tiers and their files are released however generation ends (Ctrl-C, SIGTERM included).
-        with session.new_cache(max_length=prompt_tokens + max_new_tokens) as cache:
+        with session.new_cache(max_length=prompt_tokens + max_new_tokens, batch=len(prompts)) as cache:
             start = time.perf_counter()
             if prompt_tokens > PREFILL_CHUNK and bool(enc.attention_mask.all()):
                 # A long prompt (no padding) is prefilled in chunks; generate goes on from the cache.

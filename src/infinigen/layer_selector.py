@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from infinigen.growing import GrowingTensor
 from infinigen.select.base import PrefillWeights, Selector, held_bytes
 from infinigen.speculate import Selection
 
@@ -21,9 +22,15 @@ from infinigen.speculate import Selection
 class LayerSelector:
     """`selector`'s calls for layer `index`, with the state it keeps for that layer."""
 
-    def __init__(self, selector: Selector, index: int) -> None:
+    def __init__(self, selector: Selector, index: int, reserve: int | None = None) -> None:
+        """reserve: the positions the generation will reach, if known: the state's growing
+        buffers make room for them at once (what `budget.estimate` plans with)."""
         self.selector, self.index = selector, index
         self.state: Any = selector.new_state(index)
+        if reserve is not None and self.state is not None:
+            for value in vars(self.state).values():
+                if isinstance(value, GrowingTensor):
+                    value.capacity = reserve
 
     @property
     def query_from(self) -> str | None:

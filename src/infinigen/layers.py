@@ -282,7 +282,7 @@ class OffloadedLayer(SessionLayer):
         super().__init__()
         self.settings, self.shared = settings, shared
         select = selector is not None and settings.role == Role.SELECT
-        self.selecting = LayerSelector(selector, settings.index) if select else None
+        self.selecting = LayerSelector(selector, settings.index, shared.storage.reserve) if select else None
         self.tier: KVTier | None = None
         self.length = 0
         self.record = Recorder(settings.index, shared.counters)

@@ -102,8 +102,11 @@ class RowBuffers:
     stale rows, which attention masks out. A model split across devices gets two pairs per
     device: a layer's buffers live where it computes."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = 0) -> None:
+        """reserve: rows to make room for at the first use (the most a step of the planned
+        generation reads, `budget.transfer_rows`), so that the buffers never grow."""
         self._pairs: dict[tuple[int, str], Rows] = {}
+        self.reserve = reserve
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +118,7 @@ class RowBuffers:
         have = 0 if pair is None else pair[0].shape[2]
         same_kind = pair is not None and pair[0].dtype == dtype and pair[0].shape[:2] == (like.batch, like.kv_heads)
         if not same_kind or rows > have:
-            shape = (like.batch, like.kv_heads, max(rows, 2 * have if same_kind else 0), like.head_dim)
+            shape = (like.batch, like.kv_heads, max(rows, 2 * have if same_kind else self.reserve), like.head_dim)
             k = torch.zeros(shape, dtype=dtype, device=device)
             v = torch.zeros_like(k)
             if same_kind:  # what is held stays (a fetch may already have landed)

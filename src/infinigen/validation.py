@@ -10,6 +10,7 @@ becomes a typed value with `parse_text`. This module declares no setting: `infin
 from __future__ import annotations
 
 import math
+import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -137,3 +138,29 @@ def parse_text(name: str, hint: Any, text: str) -> Any:
     except ValueError:
         raise ConfigError(f"{name} takes {type_text(hint)}, got {text!r}") from None
     return text
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '512MiB', '1.5G', '800 MB' or a plain number (binary units for K, M, G, T)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 512MiB, 1GiB, 800M)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def size() -> Rule:
+    """A positive size in bytes, written as `parse_size` reads it."""
+
+    def ok(v) -> bool:
+        try:
+            return parse_size(v) > 0
+        except ValueError:
+            return False
+
+    return Rule("a size such as 512MiB, 1GiB or 800M (a plain number: bytes)", ok)

@@ -142,7 +142,7 @@ def run_child(args: argparse.Namespace) -> dict:
             cache = _HFDense(model)
         else:
             session = stack.enter_context(attach(model, cfg, tokenizer=tok, progress=False))
-            cache = stack.enter_context(session.new_cache(max_length=context + args.steps + 1))
+            cache = stack.enter_context(session.new_cache(max_length=context + args.steps + 1, batch=b))
         with safe_open(args.kv_file, framework="pt") as f:
             nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous().to(device)
             # Stream the saved prefill into the cache layer by layer, as a prefill would.

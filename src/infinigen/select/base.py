@@ -105,6 +105,20 @@ class Selector:
         attention skips computing them for those that do not."""
         return type(self).observe is not Selector.observe
 
+    def max_rows(self, layer: int, positions: int) -> int:
+        """The most rows one step of `layer` selects among `positions` (its budget, capped by
+        `budget_tokens`, floored by `min_tokens`): what its transfer buffers must hold."""
+        k, fraction = self.knobs, self.budget(layer)
+        rows = positions if fraction >= 1.0 else math.ceil(fraction * positions)
+        if getattr(k, "budget_tokens", None) is not None:
+            rows = min(rows, k.budget_tokens)
+        return max(rows, getattr(k, "min_tokens", 1))
+
+    def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
+        """What its state of `layer` holds with the compute at `positions` for `batch` rows (`room`:
+        the positions a buffer grown by a quarter reaches); `budget.estimate` plans with it."""
+        return 0
+
     def weight_bytes(self) -> int:
         """Bytes of what it keeps per model, not per cache (calibrated projections, query maps):
         reported apart, with the weights."""

@@ -45,6 +45,9 @@ class H2OSelector(Selector):
     name = "h2o"
     Knobs = H2OKnobs
 
+    def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
+        return batch * self.adapter.num_kv_heads * positions * 5  # float32 scores, bool kept
+
     def new_state(self, layer_idx) -> HeavyHitters:
         return HeavyHitters()
 

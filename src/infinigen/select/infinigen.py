@@ -37,7 +37,7 @@ import infinigen.kernels as kernels
 from infinigen.config import SpeculationKnobs
 from infinigen.growing import GrowingTensor
 from infinigen.select.base import Selector
-from infinigen.select.quantized import QuantizedPartialKeys
+from infinigen.select.quantized import QuantizedPartialKeys, partial_bytes_per_position
 from infinigen.skew.calibrate import SPECULATED_INPUTS
 from infinigen.skew.choice import MeasuredChoice
 from infinigen.skew.query_map import apply_query_map, fold_skew_into_map
@@ -194,6 +194,12 @@ class InfiniGenSelector(Selector):
     def _scaled_partial_query(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
         return q_part.to(torch.float32) * self.adapter.scaling(layer)
+
+    def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
+        c, fmt = self.channels(layer), self.knobs.partial_format
+        itemsize = torch.empty((), dtype=self.kv_dtype or kv_dtype).element_size()
+        per_row = room * partial_bytes_per_position(fmt, c, itemsize) + (0 if fmt == "kv" else 4 * c)  # + sigma
+        return batch * self.adapter.num_kv_heads * per_row
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in (*self.proj.values(), *self.query_maps.values()))

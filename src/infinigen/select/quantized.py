@@ -111,7 +111,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, sigma: torch.Tensor, f
     return x.transpose(-1, -2) * sigma[:, :, None, :]
 
 
-def partial_bytes_per_position(fmt: str, channels: int, kv_itemsize: int) -> float:
+def partial_bytes_per_position(fmt: str, channels: int, kv_itemsize: int) -> int:
     """Bytes one position of one KV head takes in the speculation state under `fmt`."""
     if fmt == "kv":
         return channels * kv_itemsize

@@ -1,0 +1,192 @@
+"""What a cache will keep next to the compute, planned before it holds anything, and fitted into
+a memory budget (`compute_memory`).
+
+`estimate` is the arithmetic of every part `infinigen.memory` counts (`memory.PARTS`), from the
+shapes a generation will reach: the model's layers and heads, the batch, the positions, the
+dtypes, the policy's roles and the selector's state. It is held to the measured counters by
+`tests/test_budget.py` (never below them, at most a stated margin above).
+
+`plan` fits a config into a budget, lossless changes first: the disk tier's block cache shrinks
+(speed only); then InfiniGen's partial keys go to int8, then int4 (`partial_format`). A request
+that does not fit even then is refused in one sentence (`MemoryBudgetError`), before any KV is
+computed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from infinigen.errors import InputError
+from infinigen.memory import PARTS, format_bytes
+from infinigen.roles import Role
+
+BLOCK = 4096  # the disk tier's block on the file systems measured (storage.disk.block_size)
+STAGE_KEEP = 1 << 20  # the disk tier keeps prefill staging buffers up to this size
+
+
+class MemoryBudgetError(InputError):
+    """The request does not fit the compute memory budget, whatever the plan gives up."""
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _record(row: int) -> int:
+    size = 1
+    while size < row:
+        size *= 2
+    return size if row < BLOCK else -(-row // BLOCK) * BLOCK
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a generation will reach: batch rows and positions (prompt + new tokens)."""
+
+    batch: int
+    positions: int
+
+
+def estimate(config, adapter, selector, request: Request, compute_dtype: torch.dtype) -> dict[str, int]:
+    """Bytes each part of `memory.PARTS` will hold with the compute at the end of `request`."""
+    b, n = request.batch, request.positions
+    hkv, d = adapter.num_kv_heads, adapter.head_dim
+    compute_item = _itemsize(compute_dtype)
+    kv_dtype = config.storage_dtype() or compute_dtype
+    parts = dict.fromkeys(PARTS, 0)
+    roles = [config.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
+    offloaded = [i for i, r in enumerate(roles) if r.offloaded]
+    whole_layer = b * hkv * n * d * 2 * compute_item  # one layer's KV in the compute dtype
+    for i, role in enumerate(roles):
+        if role == Role.COMPUTE:
+            parts["dense_layers"] += whole_layer
+        elif role == Role.LOCAL:
+            parts["local_layers"] += b * hkv * min(n, adapter.window(i) - 1) * d * 2 * compute_item
+        elif role == Role.SELECT and selector is not None:
+            parts["speculation_state"] += selector.state_bytes(i, b, n, n, kv_dtype)  # reserved for n
+    rows = transfer_rows(config, adapter, selector, n)
+    if rows:  # two pairs (K and V), reserved for the most rows a step reads (transfer.RowBuffers)
+        parts["transfer_buffers"] = 2 * 2 * b * hkv * rows * d * compute_item
+    parts["metadata"] = b * 2 * n  # which positions are real (bool), grown by doubling
+    if offloaded and config.spec.placement == "offload" and config.tier == "disk" and config.spec.fmt != "int4":
+        _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, rows)
+    return parts
+
+
+def transfer_rows(config, adapter, selector, positions: int) -> int:
+    """The most rows one step of any offloaded layer reads, the new token included (what the
+    transfer buffers hold); 0 when nothing is offloaded."""
+    most = 0
+    for i in range(adapter.num_layers):
+        role = config.layer_role(i, local=adapter.is_local(i))
+        if not role.offloaded:
+            continue
+        if role == Role.SELECT and selector is not None:
+            most = max(most, min(selector.max_rows(i, positions), positions) + 1)
+        else:
+            most = max(most, positions)  # every row: the past ones and the new token
+    return most
+
+
+def _disk_parts(parts, config, request: Request, hkv: int, d: int, kv_dtype, layers: list[int], rows: int) -> None:
+    """The disk tier's RAM: block cache (and its maps), tails, the shared read and staging buffers."""
+    regions = request.batch * hkv
+    record = _record(2 * d * _itemsize(kv_dtype))
+    region_blocks = -(-request.positions * record // BLOCK)
+    slots = math.ceil(config.block_cache * regions * region_blocks) if config.block_cache > 0 else 0
+    for _ in layers:
+        if slots:
+            parts["block_cache"] += slots * BLOCK
+            parts["metadata"] += regions * region_blocks * 8 + slots * 9 + 8  # maps: block->slot, slot->block, refs
+        parts["tier_buffers"] += regions * BLOCK  # the unwritten tail block of every region
+    read = min(regions * region_blocks * BLOCK, regions * rows * BLOCK)  # a whole layer, or a block per row
+    parts["tier_buffers"] += max(2 * read, 1 << 16)  # grown by doubling
+    chunk = regions * -(-min(request.positions, 512) * record // BLOCK) * BLOCK
+    parts["tier_buffers"] += chunk if chunk <= STAGE_KEEP else 0  # a prefill chunk's staging, kept if small
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A config fitted to `budget` (None: no budget), what it will keep, and what was changed."""
+
+    config: object
+    selector: object
+    request: Request
+    parts: dict[str, int]
+    budget: int | None
+    changes: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> dict:
+        """JSON-safe: the budget, the request, the estimate by part and what was given up."""
+        return {
+            "compute_memory_bytes": self.budget,
+            "batch": self.request.batch,
+            "positions": self.request.positions,
+            "estimated_compute_kv_bytes": self.total,
+            "estimated_parts": dict(self.parts),
+            "changes": list(self.changes),
+        }
+
+
+def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.dtype) -> Plan:
+    """Fit `config` into its `compute_memory` (see the module docstring). `selector_for(config)`
+    gives the selector a config makes (the plan may change the partial keys' format)."""
+    budget = config.compute_memory_bytes
+    if budget is None:
+        selector = selector_for(config)
+        return Plan(config, selector, request, estimate(config, adapter, selector, request, compute_dtype), None, ())
+    tried = []
+    for candidate, changes in _candidates(config):
+        selector = selector_for(candidate)
+        size = functools.partial(_sized, adapter=adapter, selector=selector, request=request, dtype=compute_dtype)
+        lean = candidate.replace(block_cache=0.0) if candidate.block_cache else candidate
+        tried.append(size(lean))
+        if sum(tried[-1].values()) > budget:
+            continue
+        low, high = 0.0, candidate.block_cache  # the largest block cache that fits (it only speeds reads)
+        if sum(size(candidate).values()) > budget:
+            for _ in range(20):
+                mid = (low + high) / 2
+                low, high = (
+                    (mid, high) if sum(size(candidate.replace(block_cache=mid)).values()) <= budget else (low, mid)
+                )
+            fitted = candidate.replace(block_cache=math.floor(low * 1e4) / 1e4)  # rounded down: it still fits
+            if sum(size(fitted).values()) > budget:
+                fitted = lean
+            changes = (*changes, f"block cache {config.block_cache:g} -> {fitted.block_cache:g}")
+            candidate = fitted
+        return Plan(candidate, selector, request, size(candidate), budget, tuple(changes))
+    least = min(tried, key=lambda parts: sum(parts.values()))
+    need = sum(least.values())
+    biggest = sorted(((v, k) for k, v in least.items() if v), reverse=True)[:2]
+    largest = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for v, k in biggest)
+    raise MemoryBudgetError(
+        f"{request.batch} x {request.positions} positions need at least {format_bytes(need)} next to the compute "
+        f"under policy {config.policy!r} ({largest}) "
+        f"but compute_memory is {format_bytes(budget)}: lower the batch or the length, or raise compute_memory"
+    )
+
+
+def _sized(config, adapter, selector, request: Request, dtype) -> dict[str, int]:
+    return estimate(config, adapter, selector, request, dtype)
+
+
+def _candidates(config):
+    """Configs to try, in order: as given, then partial keys int8 / int4 (InfiniGen); each with
+    the changes it made."""
+    out = [(config, ())]
+    if config.policy == "infinigen":
+        order = ["kv", "int8", "int4"]
+        for fmt in order[order.index(config.partial_format) + 1 :]:
+            out.append((config.replace(partial_format=fmt), (f"partial keys {config.partial_format} -> {fmt}",)))
+    # Reading the dense layers from the tier instead saves nothing: their rows land, whole, in
+    # transfer buffers of the compute dtype (two pairs: as large as keeping both layers).
+    return out

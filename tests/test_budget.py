@@ -1,0 +1,138 @@
+"""The plan of what stays with the compute (`infinigen.budget`): its estimate against what the cache
+then measures (`cache.memory()`), and `compute_memory`: fitted by giving things up, or refused
+before any KV is computed."""
+
+import pytest
+import torch
+
+from conftest import VOCAB, run_cli, tiny_model
+from infinigen import InfiniGenConfig, attach
+from infinigen.budget import MemoryBudgetError, Request, estimate
+from infinigen.config import ConfigError
+from infinigen.models import get_adapter
+from infinigen.validation import parse_size
+
+P, N, B = 150, 20, 2
+SLACK = 64 << 10  # the disk tier's read buffer grows by doubling: the estimate takes its bound
+
+
+def _ids(batch=B, length=P):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(5))
+
+
+def _generate(model, cfg, rows=B, new=N, **cache_args):
+    ids = _ids(rows)
+    with attach(model, cfg, progress=False) as session:
+        with session.new_cache(**cache_args) as cache:
+            model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+            return cache.memory(), cache.plan, cache.summary()
+
+
+CASES = [
+    ("dense", "ram", {}),
+    ("full", "ram", {}),
+    ("full", "disk", {}),
+    ("infinigen", "ram", {}),
+    ("infinigen", "disk", {"partial_format": "int8"}),
+    ("infinigen", "disk", {"partial_format": "int4", "correction": 0.05}),
+    ("quest", "disk", {}),
+    ("h2o", "ram", {}),
+    ("streaming", "disk", {}),
+]
+
+
+@pytest.mark.parametrize("policy, tier, extra", CASES)
+def test_the_estimate_is_never_below_what_the_cache_keeps_and_close_to_it(policy, tier, extra):
+    cfg = InfiniGenConfig(policy=policy, tier=tier, budget=0.25, calibration_tokens=64, kv_dtype="float16", **extra)
+    measured, plan, _ = _generate(tiny_model("llama"), cfg, max_length=P + N, batch=B)
+    for part, held in measured.parts.items():
+        assert held <= plan.parts[part], part
+        assert plan.parts[part] <= 1.05 * held + (SLACK if part == "tier_buffers" else 128), part
+
+
+def test_the_estimate_of_a_sliding_window_model_counts_windows(tiny_window_model):
+    cfg = InfiniGenConfig(policy="full", kv_dtype="float16")
+    measured, plan, _ = _generate(tiny_window_model, cfg, max_length=P + N, batch=B)
+    assert measured.parts["local_layers"] <= plan.parts["local_layers"] <= 1.5 * measured.parts["local_layers"]
+
+
+@pytest.fixture
+def tiny_window_model():
+    from conftest import tiny_variant
+
+    return tiny_variant("gemma3")
+
+
+def _needs(cfg, model) -> int:
+    from infinigen.select import make_selector  # noqa: F401  (the estimate below takes a built selector)
+
+    with attach(model, cfg, progress=False) as session:
+        sel = session.selector_for(cfg)
+        return sum(estimate(cfg, get_adapter(model), sel, Request(B, P + N), torch.float32).values())
+
+
+def test_a_budget_is_met_by_giving_up_block_cache_then_precision():
+    model = tiny_model("llama")
+    base = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", tier="disk", block_cache=0.5)
+    steps = [
+        (_needs(base, model) - 8192, ["block cache 0.5 -> 0.4"]),
+        (
+            _needs(base.replace(block_cache=0.0, partial_format="int4"), model),
+            ["partial keys kv -> int4", "block cache 0.5 -> 0"],
+        ),
+    ]
+    for budget, said in steps:
+        cfg = base.replace(compute_memory=str(budget))
+        measured, plan, summary = _generate(model, cfg, max_length=P + N, batch=B)
+        assert plan.total <= budget and measured.compute_kv_bytes <= budget
+        changes = " ".join(plan.changes)
+        assert all(s in changes for s in said), changes
+        assert summary["plan"]["changes"] == list(plan.changes)
+    with pytest.raises(MemoryBudgetError):  # one byte less than the leanest plan
+        _generate(model, base.replace(compute_memory=str(steps[-1][0] - 1 - 8192)), max_length=P + N, batch=B)
+
+
+def test_a_request_that_cannot_fit_is_refused_before_any_kv_is_computed():
+    model = tiny_model("llama")
+    calls = []
+    model.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    cfg = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", compute_memory="4KiB")
+    ids = _ids()
+    with attach(model, cfg, progress=False):
+        calls.clear()  # calibration ran forwards; the generation must run none
+        with pytest.raises(MemoryBudgetError) as err:
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
+                           pad_token_id=0)  # fmt: skip
+    assert not calls
+    text = str(err.value)
+    assert "\n" not in text and "need at least" in text and "4.0 KiB" in text and f"{B} x {P + N}" in text
+
+
+def test_a_cache_planned_for_fewer_rows_refuses_more():
+    model = tiny_model("llama")
+    cfg = InfiniGenConfig(policy="full", kv_dtype="float16", compute_memory="1GiB")
+    with attach(model, cfg, progress=False) as session, session.new_cache(max_length=P + N, batch=1) as cache:
+        with pytest.raises(MemoryBudgetError, match="planned for a batch of 1"):
+            model.generate(input_ids=_ids(2), past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_sizes_are_read_as_people_write_them():
+    assert parse_size("512MiB") == 512 << 20 == parse_size("512M") == parse_size("512 mib")
+    assert parse_size("1.5GiB") == 3 << 29 and parse_size("800MB") == 800 * 10**6 and parse_size("4096") == 4096
+    with pytest.raises(ConfigError, match="compute_memory must be a size"):
+        InfiniGenConfig(compute_memory="lots")
+    with pytest.raises(ConfigError):
+        InfiniGenConfig(compute_memory="0")
+
+
+def test_the_command_line_refuses_a_request_over_the_budget_in_one_sentence(tiny_model_dir, capsys):
+    rc, out, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "abc " * 40, "--max-new-tokens", "4",
+        "--policy", "full", "--tier", "disk", "--compute-memory", "2KiB", "--quiet",
+    )  # fmt: skip
+    assert rc == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "need at least" in lines[0] and "compute_memory is 2.0 KiB" in lines[0]
