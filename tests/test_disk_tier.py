@@ -501,3 +501,53 @@ def test_capacity_and_bad_selections(kv_dir):
             disk.gather(idx, torch.ones_like(idx, dtype=torch.bool), torch.device("cpu"), torch.float16)
         with pytest.raises(ValueError, match="tier holds"):
             disk.append(torch.zeros(B, H + 1, 1, D), torch.zeros(B, H + 1, 1, D))
+
+
+@pytest.mark.parametrize("cache", [0.0, 0.3])
+def test_a_large_gather_reads_in_bounded_chunks_and_is_still_bit_identical(kv_dir, gather_path, cache, monkeypatch):
+    """A gather of many regions is read a few regions at a time through one buffer of about
+    READ_CHUNK bytes (not one buffer as large as the layer's selection), with the same rows and
+    the same counts as one read of everything."""
+    import infinigen.storage.disk as disk_module
+
+    gen = torch.Generator().manual_seed(4)
+    b, h = 4, 3
+    results = []
+    for chunk in (1 << 30, 3 * 4096):  # everything at once, then about one region at a time
+        monkeypatch.setattr(disk_module, "READ_CHUNK", chunk)
+        gen.manual_seed(4)
+        ram, disk = _pair(kv_dir, b=b, h=h, cache_fraction=cache)
+        with disk:
+            _append_both(ram, disk, PREFILL, gen)
+            idx, valid = _selection(b, h, 60, ram.length, gen)
+            kr, vr = ram.gather(idx, valid, torch.device("cpu"), torch.float32)
+            kd, vd = disk.gather(idx, valid, torch.device("cpu"), torch.float32)
+            assert torch.equal(kr, kd) and torch.equal(vr, vd)
+            results.append((disk.stats.bytes, disk.stats.rows, disk.threads.nbytes))
+    (bytes_all, rows_all, buffer_all), (bytes_chunked, rows_chunked, buffer_chunked) = results
+    assert (bytes_all, rows_all) == (bytes_chunked, rows_chunked)
+    assert buffer_chunked < buffer_all
+
+
+def test_reading_every_row_goes_a_few_regions_at_a_time(kv_dir, monkeypatch):
+    """Full fetch's read of a layer: the same rows as the RAM tier through a buffer of about
+    READ_CHUNK bytes, into new tensors and into given buffers."""
+    import infinigen.storage.disk as disk_module
+
+    monkeypatch.setattr(disk_module, "READ_CHUNK", 2 * 4096)
+    gen = torch.Generator().manual_seed(6)
+    ram, disk = _pair(kv_dir, b=3, h=2)
+    with disk:
+        _append_both(ram, disk, PREFILL, gen)
+        _append_both(ram, disk, 1, gen)
+        for upto in (1, 100, ram.length):
+            kr, vr = ram.read_all(upto, torch.device("cpu"), torch.float32)
+            kd, vd = disk.read_all(upto, torch.device("cpu"), torch.float32)
+            assert torch.equal(kr, kd) and torch.equal(vr, vd)
+            out = (torch.zeros(3, 2, CAPACITY, D), torch.zeros(3, 2, CAPACITY, D))
+            kd, vd = disk.read_all(upto, torch.device("cpu"), torch.float32, out=out)
+            assert torch.equal(out[0][:, :, :upto], kr) and torch.equal(out[1][:, :, :upto], vr)
+        kd, vd = disk.peek_all()
+        assert torch.equal(kd, ram.peek_all()[0])
+        layer = 3 * 2 * ram.length * 256
+        assert len(disk.threads.read_buffer(0)) < layer / 2  # the read buffer alone (staging apart)

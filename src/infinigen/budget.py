@@ -23,6 +23,7 @@ import torch
 from infinigen.errors import InputError
 from infinigen.memory import PARTS, format_bytes
 from infinigen.roles import Role
+from infinigen.storage.disk import READ_CHUNK
 
 BLOCK = 4096  # the disk tier's block on the file systems measured (storage.disk.block_size)
 STAGE_KEEP = 1 << 20  # the disk tier keeps prefill staging buffers up to this size
@@ -60,7 +61,7 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
     parts = dict.fromkeys(PARTS, 0)
     roles = [config.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
     offloaded = [i for i, r in enumerate(roles) if r.offloaded]
-    whole_layer = b * hkv * n * d * 2 * compute_item  # one layer's KV in the compute dtype
+    whole_layer = b * hkv * n * d * 2 * _itemsize(kv_dtype)  # a layer kept whole, in the storage dtype
     for i, role in enumerate(roles):
         if role == Role.COMPUTE:
             parts["dense_layers"] += whole_layer
@@ -103,7 +104,9 @@ def _disk_parts(parts, config, request: Request, hkv: int, d: int, kv_dtype, lay
             parts["block_cache"] += slots * BLOCK
             parts["metadata"] += regions * region_blocks * 8 + slots * 9 + 8  # maps: block->slot, slot->block, refs
         parts["tier_buffers"] += regions * BLOCK  # the unwritten tail block of every region
-    read = min(regions * region_blocks * BLOCK, regions * rows * BLOCK)  # a whole layer, or a block per row
+    # reads go a few regions at a time through one buffer of about READ_CHUNK (one region at least)
+    layer = regions * min(region_blocks, rows) * BLOCK
+    read = min(layer, max(READ_CHUNK, region_blocks * BLOCK))
     parts["tier_buffers"] += max(2 * read, 1 << 16)  # grown by doubling
     chunk = regions * -(-min(request.positions, 512) * record // BLOCK) * BLOCK
     parts["tier_buffers"] += chunk if chunk <= STAGE_KEEP else 0  # a prefill chunk's staging, kept if small

@@ -131,7 +131,9 @@ class InfiniGenCache(SessionCache):
         layers: list[Any] = []
         for i, role in enumerate(roles):
             if role == Role.COMPUTE:
-                layers.append(ComputeLayer(i, capacity, reserve=max_length is not None))
+                layers.append(
+                    ComputeLayer(i, capacity, reserve=max_length is not None, store_dtype=config.storage_dtype())
+                )
             elif role == Role.LOCAL:
                 layers.append(LocalLayer(i, adapter.window(i)))
             else:

@@ -378,6 +378,12 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return run_parent(args)
 
 
+def cmd_bench_capacity(args: argparse.Namespace) -> int:
+    from infinigen.bench.capacity import run
+
+    return run(args)
+
+
 def cmd_bench_model(args: argparse.Namespace) -> int:
     from infinigen.bench.model import check_args, run
 
@@ -527,8 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
     decode_parser(bd)
     _debug_flag(bd)
     bd.set_defaults(func=cmd_bench_decode)
+    from infinigen.bench.capacity import build_parser as capacity_parser
     from infinigen.bench.model import build_parser as model_parser
 
+    bc = bsub.add_parser("capacity", help="the largest batch each policy serves within a memory budget, then decoded")
+    capacity_parser(bc)
+    _debug_flag(bc)
+    bc.set_defaults(func=cmd_bench_capacity)
     bm = bsub.add_parser("model", help="MODELLED decode speed for named GPUs, SSDs and models (cost model)")
     model_parser(bm)
     _debug_flag(bm)

@@ -113,15 +113,21 @@ class SessionLayer(CacheLayerMixin):
 
 class ComputeLayer(SessionLayer):
     """A layer whose whole KV stays with the compute: a preallocated buffer grown by doubling
-    (never past `capacity`), written in place, so a decode step copies nothing it already holds."""
+    (never past `capacity`), written in place, so a decode step copies nothing it already holds.
+
+    Stored in `store_dtype` when given (the KV's storage dtype: 16 bits where the model computes
+    in float32, half the bytes kept), each step's attention then reads a widened copy, made and
+    dropped per step; the first forward attends its own KV as computed, as offloaded layers do."""
 
     role = Role.COMPUTE
 
-    def __init__(self, index: int, capacity: int, reserve: bool = False) -> None:
+    def __init__(
+        self, index: int, capacity: int, reserve: bool = False, store_dtype: torch.dtype | None = None
+    ) -> None:
         """capacity: the most positions it will hold; reserve: allocate all of them at the first
         update (the cache knows the generation's length) instead of growing from the prompt."""
         super().__init__()
-        self.index, self.capacity, self.reserve = index, capacity, reserve
+        self.index, self.capacity, self.reserve, self.store_dtype = index, capacity, reserve, store_dtype
         self.length = 0
         self.stats = LayerStats()
         self._k: torch.Tensor | None = None
@@ -138,17 +144,23 @@ class ComputeLayer(SessionLayer):
                 size = max(end, self.capacity) if self.reserve else end
             else:
                 size = max(end, min(2 * have, self.capacity))
-            k = key_states.new_empty(*key_states.shape[:2], size, key_states.shape[3])
-            v = value_states.new_empty(*value_states.shape[:2], size, value_states.shape[3])
+            dtype = self.store_dtype or key_states.dtype
+            k = key_states.new_empty(*key_states.shape[:2], size, key_states.shape[3], dtype=dtype)
+            v = value_states.new_empty(*value_states.shape[:2], size, value_states.shape[3], dtype=dtype)
             if have:
                 k[:, :, : self.length] = self._k[:, :, : self.length]
                 v[:, :, : self.length] = self._v[:, :, : self.length]
             self._k, self._v = k, v
         self._k[:, :, self.length : end] = key_states
         self._v[:, :, self.length : end] = value_states
-        self.length = end
+        past, self.length = self.length, end
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
-        return self.keys, self.values
+        if self._k.dtype == key_states.dtype:
+            return self.keys, self.values
+        # the past as stored, widened; the new positions as computed (as an offloaded layer attends)
+        k = torch.cat([self._k[:, :, :past].to(key_states.dtype), key_states], 2)
+        v = torch.cat([self._v[:, :, :past].to(value_states.dtype), value_states], 2)
+        return k, v
 
     def held_bytes(self) -> int:
         """Its preallocated buffers (room to grow included)."""

@@ -160,7 +160,8 @@ class ForcedLayer(SessionLayer):
         return torch.cat([self.prefix_keys, key_states], -2), torch.cat([self.prefix_values, value_states], -2)
 
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        if self.role == Role.COMPUTE:
+        stored = self.config.storage_dtype()
+        if self.role == Role.COMPUTE and (stored is None or stored == key.dtype):
             return dense_attention(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
@@ -186,7 +187,9 @@ class ForcedLayer(SessionLayer):
         scores[:, :, rows, self_col] = (qf * k_self).sum(-1) * scaling
         cols = torch.arange(k_len, device=query.device)
         causal = cols[None, :] <= self_col[:, None]  # [S, K]
-        if self.role == Role.FETCH_ALL:
+        if self.role == Role.COMPUTE:  # kept whole with the compute in the storage dtype: nothing moves
+            allowed = causal[None, None].expand(b, h, s_len, k_len)
+        elif self.role == Role.FETCH_ALL:
             allowed = causal[None, None].expand(b, h, s_len, k_len)
             n_rows = b * hkv * int((t0 + rows).sum())
             self.record.rows += n_rows

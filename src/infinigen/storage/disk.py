@@ -71,12 +71,21 @@ import numpy as np
 import torch
 
 import infinigen.kernels as kernels
-from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats, copy_prefix, scatter_rows
+from infinigen.storage.base import (
+    KVCapacityError,
+    KVStorageError,
+    KVTier,
+    TransferStats,
+    copy_prefix,
+    prefix_views,
+    scatter_rows,
+)
 from infinigen.storage.blockcache import PINNED, USED, BlockCache
 
 ENV_DIR = "INFINIGEN_KV_DIR"
 _MIN_BLOCK = 4096
 _STAGE_KEEP = 1 << 20  # append staging buffers up to this size are kept and reused
+READ_CHUNK = 8 << 20  # a gather reads at most about this many bytes at once (whole regions; see _read_records)
 
 
 def default_directory() -> Path:
@@ -693,6 +702,20 @@ class DiskTier(KVTier):
         return k, v
 
     def _read_records(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
+        """`_read_chunk` over runs of whole regions whose blocks fit `READ_CHUNK` bytes, so that
+        the read buffer stays that size however large the batch and the context (one buffer the
+        size of a whole layer's selection was up to a layer of KV kept with the compute)."""
+        ends = np.append(np.flatnonzero(np.diff(region)) + 1, len(pos))  # where each region's rows end
+        cap = max(READ_CHUNK // (self.block_size * (1 + self.coalesce_gap_blocks)), 1)  # rows per chunk, at most
+        total, first = (0, 0, 0, 0), 0
+        while first < len(pos):
+            fitting = ends[(ends > first) & (ends <= first + cap)]
+            end = int(fitting[-1]) if len(fitting) else int(ends[ends > first][0])  # at least one region
+            got = self._read_chunk(region[first:end], pos[first:end], tail_pos, rows[first:end])
+            total, first = tuple(a + b for a, b in zip(total, got)), end
+        return total
+
+    def _read_chunk(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
         """The records of positions (region, pos), sorted by file offset, into rows [m, rec]:
         from the RAM tail, the block cache, or disk (the missing blocks merged into runs and
         read, then admitted to the cache). Returns (bytes read, reads, rows from disk, rows from RAM)."""
@@ -800,21 +823,31 @@ class DiskTier(KVTier):
         span = _round_up(upto * rec, blk)
         tail = self._tail_start()
         on_disk = min(span, tail)  # whole blocks on disk; [tail, span) is the RAM tail
-        buf = self._buffer(span * self.regions)
-        view = memoryview(buf)
-        if on_disk:
-            self._drop_cache()
-            reads = [(view[r * span : r * span + on_disk], r * self.region_bytes) for r in range(self.regions)]
-            self._read_many(reads)
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=span * self.regions).view(self.regions, span)
-        if span > on_disk:
-            raw[:, on_disk:span] = self._tails[:, : span - on_disk]
-        width = 2 * d * torch.empty((), dtype=self.dtype).element_size()
-        recs = raw[:, : upto * rec].reshape(self.batch, self.kv_heads, upto, rec)[..., :width].view(self.dtype)
-        if out is None and device is None:
-            k, v = recs[..., :d].clone(), recs[..., d:].clone()
+        if out is not None:
+            k, v = prefix_views(out, upto)
         else:
-            k, v = copy_prefix(recs[..., :d], recs[..., d:], device, dtype, out)
+            shape = (self.batch, self.kv_heads, upto, d)
+            k = torch.empty(shape, dtype=dtype or self.dtype, device=device or "cpu")
+            v = torch.empty_like(k)
+        flat_k, flat_v = k.view(self.regions, upto, d), v.view(self.regions, upto, d)  # views: written through
+        width = 2 * d * torch.empty((), dtype=self.dtype).element_size()
+        group = max(READ_CHUNK // span, 1)  # regions per read: the buffer stays about READ_CHUNK
+        for r0 in range(0, self.regions, group):
+            r1 = min(r0 + group, self.regions)
+            buf = self._buffer(span * (r1 - r0))
+            view = memoryview(buf)
+            if on_disk:
+                self._drop_cache()
+                reads = [
+                    (view[(r - r0) * span : (r - r0) * span + on_disk], r * self.region_bytes) for r in range(r0, r1)
+                ]
+                self._read_many(reads)
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=span * (r1 - r0)).view(r1 - r0, span)
+            if span > on_disk:
+                raw[:, on_disk:span] = self._tails[r0:r1, : span - on_disk]
+            recs = raw[:, : upto * rec].reshape(r1 - r0, upto, rec)[..., :width].view(self.dtype)
+            flat_k[r0:r1].copy_(recs[..., :d])
+            flat_v[r0:r1].copy_(recs[..., d:])
         return k, v, on_disk * self.regions
 
     def _read_all(self, upto, device, dtype, out=None):
