@@ -1,0 +1,35 @@
+"""`infinigen bench capacity` end to end on a tiny model folder: the JSON the issue names, the
+largest batches ordered as the policies' bytes say, and a real decode at each."""
+
+import json
+
+from conftest import run_cli
+
+
+def test_capacity_plans_runs_and_writes_its_rows(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "cap"
+    rc, text, err = run_cli(
+        capsys, "bench", "capacity", "--model", str(tiny_model_dir), "--budget", "256KiB", "--context", "64",
+        "--max-batch", "64", "--policies", "dense,full,infinigen", "--steps", "2", "--out", str(out),
+        "--calibration-tokens", "64",
+    )  # fmt: skip
+    assert rc == 0, err
+    data = json.loads((out / "bench_capacity.json").read_text())
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert set(rows) == {"dense", "full", "infinigen"}
+    for r in rows.values():
+        assert {"policy", "max_tokens", "batch", "context", "tokens_per_s", "peak_rss_bytes", "fits"} <= set(r)
+        assert r["fits"] is True and r["max_tokens"] == r["batch"] * 64 and r["tokens_per_s"] > 0
+        assert sum(r["planned_bytes"].values()) <= 256 << 10
+        assert r["compute_kv_bytes"] <= 256 << 10  # what the run kept, measured, within the budget
+    assert data["meta"]["settings"]["budget_bytes"] == 256 << 10 and "commit" in data["meta"]
+
+
+def test_a_policy_that_cannot_fit_one_sequence_says_why(tiny_model_dir, tmp_path, capsys):
+    rc, _, err = run_cli(
+        capsys, "bench", "capacity", "--model", str(tiny_model_dir), "--budget", "4KiB", "--context", "64",
+        "--policies", "dense", "--no-run", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert rc == 0, err
+    row = json.loads((tmp_path / "bench_capacity.json").read_text())["rows"][0]
+    assert row["batch"] == 0 and row["max_tokens"] == 0 and "need at least" in row["fits"]
