@@ -17,16 +17,15 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from infinigen.errors import InputError
 from infinigen.memory import PARTS, format_bytes
+from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
-from infinigen.storage.disk import READ_CHUNK
-
-BLOCK = 4096  # the disk tier's block on the file systems measured (storage.disk.block_size)
-STAGE_KEEP = 1 << 20  # the disk tier keeps prefill staging buffers up to this size
+from infinigen.storage.disk import READ_CHUNK, STAGE_KEEP, block_size, default_directory, record_bytes
 
 
 class MemoryBudgetError(InputError):
@@ -35,13 +34,6 @@ class MemoryBudgetError(InputError):
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _record(row: int) -> int:
-    size = 1
-    while size < row:
-        size *= 2
-    return size if row < BLOCK else -(-row // BLOCK) * BLOCK
 
 
 @dataclass(frozen=True)
@@ -96,19 +88,20 @@ def transfer_rows(config, adapter, selector, positions: int) -> int:
 def _disk_parts(parts, config, request: Request, hkv: int, d: int, kv_dtype, layers: list[int], rows: int) -> None:
     """The disk tier's RAM: block cache (and its maps), tails, the shared read and staging buffers."""
     regions = request.batch * hkv
-    record = _record(2 * d * _itemsize(kv_dtype))
-    region_blocks = -(-request.positions * record // BLOCK)
+    blk = block_size(Path(config.kv_dir) if config.kv_dir else default_directory())
+    record = record_bytes(2 * d * _itemsize(kv_dtype), blk)
+    region_blocks = -(-request.positions * record // blk)
     slots = math.ceil(config.block_cache * regions * region_blocks) if config.block_cache > 0 else 0
     for _ in layers:
         if slots:
-            parts["block_cache"] += slots * BLOCK
+            parts["block_cache"] += slots * blk
             parts["metadata"] += regions * region_blocks * 8 + slots * 9 + 8  # maps: block->slot, slot->block, refs
-        parts["tier_buffers"] += regions * BLOCK  # the unwritten tail block of every region
+        parts["tier_buffers"] += regions * blk  # the unwritten tail block of every region
     # reads go a few regions at a time through one buffer of about READ_CHUNK (one region at least)
-    layer = regions * min(region_blocks, rows) * BLOCK
-    read = min(layer, max(READ_CHUNK, region_blocks * BLOCK))
+    layer = regions * min(region_blocks, rows) * blk
+    read = min(layer, max(READ_CHUNK, region_blocks * blk))
     parts["tier_buffers"] += max(2 * read, 1 << 16)  # grown by doubling
-    chunk = regions * -(-min(request.positions, 512) * record // BLOCK) * BLOCK
+    chunk = regions * -(-min(request.positions, PREFILL_CHUNK) * record // blk) * blk
     parts["tier_buffers"] += chunk if chunk <= STAGE_KEEP else 0  # a prefill chunk's staging, kept if small
 
 

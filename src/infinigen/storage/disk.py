@@ -84,7 +84,7 @@ from infinigen.storage.blockcache import PINNED, USED, BlockCache
 
 ENV_DIR = "INFINIGEN_KV_DIR"
 _MIN_BLOCK = 4096
-_STAGE_KEEP = 1 << 20  # append staging buffers up to this size are kept and reused
+STAGE_KEEP = 1 << 20  # append staging buffers up to this size are kept and reused
 READ_CHUNK = 8 << 20  # a gather reads at most about this many bytes at once (whole regions; see _read_records)
 
 
@@ -590,7 +590,7 @@ class DiskTier(KVTier):
     def _staging(self, need: int, keep: bool) -> mmap.mmap:
         """An aligned buffer for a write; a prefill's reuses the buffer its I/O threads keep
         (written before the next), a decode step's is its own (written later, behind the compute)."""
-        if not keep or need > _STAGE_KEEP:
+        if not keep or need > STAGE_KEEP:
             return _aligned(need)
         return self.threads.stage_buffer(max(need, self.regions * self.block_size))
 
