@@ -351,10 +351,12 @@ def test_random_updates_into_the_cache(policy, tier, tmp_path):
             held[layer].append((k, v))
             want_k = torch.cat([x for x, _ in held[layer]], 2)
             want_v = torch.cat([y for _, y in held[layer]], 2)
-            if role != "compute":  # offloaded: past positions come back as stored
-                past = want_k.shape[2] - k.shape[2]
-                want_k[:, :, :past] = roundtrip(fmt, want_k[:, :, :past], cfg.storage_dtype())
-                want_v[:, :, :past] = roundtrip(fmt, want_v[:, :, :past], cfg.storage_dtype())
+            # past positions come back as stored (layers kept with the compute store the KV's
+            # storage dtype too), the new ones as given
+            stored_as = fmt if role != "compute" else "native"
+            past = want_k.shape[2] - k.shape[2]
+            want_k[:, :, :past] = roundtrip(stored_as, want_k[:, :, :past], cfg.storage_dtype())
+            want_v[:, :, :past] = roundtrip(stored_as, want_v[:, :, :past], cfg.storage_dtype())
             assert got_k.dtype == want_k.dtype and torch.equal(got_k, want_k), (layer, role)
             assert torch.equal(got_v, want_v)
     assert accepted > 10 and refused > 10, (accepted, refused)
