@@ -136,3 +136,16 @@ def test_the_command_line_refuses_a_request_over_the_budget_in_one_sentence(tiny
     assert rc == 2
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and "need at least" in lines[0] and "compute_memory is 2.0 KiB" in lines[0]
+
+
+def test_the_int4_baseline_holds_exactly_its_packed_kv_for_the_planned_length():
+    """Sized at once for the generation (no doubling): what `bench capacity` counts against the
+    budget for int4 is what its tier holds."""
+    from infinigen.storage import row_bytes
+
+    model = tiny_model("llama")
+    measured, _, _ = _generate(model, InfiniGenConfig(policy="int4", kv_dtype="float16"), max_length=P + N, batch=B)
+    a = get_adapter(model)
+    assert measured.tier_kv_bytes == a.num_layers * B * a.num_kv_heads * (P + N) * row_bytes(
+        "int4", a.head_dim, torch.float16
+    )

@@ -145,7 +145,7 @@ class Storage:
             slots = capacity_slots(self.host_capacity, self.pool_positions or positions)
             return PooledTier(batch, kv_heads, head_dim, dtype, stats, slots, self.eviction)
         if self.fmt == "int4":
-            return Int4RamTier(batch, kv_heads, head_dim, dtype, stats, group=GROUP)
+            return Int4RamTier(batch, kv_heads, head_dim, dtype, stats, group=GROUP, capacity=self.pool_positions or 0)
         if self.tier == "ram":
             return RamTier(batch, kv_heads, head_dim, dtype, stats, capacity=self.pool_positions or 0)
         if self.tier == "disk":

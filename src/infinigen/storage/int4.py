@@ -87,14 +87,22 @@ class Int4RamTier(KVTier):
     """
 
     def __init__(
-        self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats, group: int = GROUP
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        stats: TransferStats,
+        group: int = GROUP,
+        capacity: int = 0,
     ) -> None:
+        """capacity: positions to make room for at once (the generation's length, if known)."""
         _check_even(head_dim)
         self.group = int4_group(head_dim, group)
         super().__init__(batch, kv_heads, head_dim, dtype, stats)
         self._groups = head_dim // self.group
-        self._kq, self._ks, self._kz = self._alloc(0)
-        self._vq, self._vs, self._vz = self._alloc(0)
+        self._kq, self._ks, self._kz = self._alloc(capacity)
+        self._vq, self._vs, self._vz = self._alloc(capacity)
 
     @property
     def row_bytes(self) -> int:
