@@ -706,14 +706,18 @@ class DiskTier(KVTier):
         the read buffer stays that size however large the batch and the context (one buffer the
         size of a whole layer's selection was up to a layer of KV kept with the compute)."""
         ends = np.append(np.flatnonzero(np.diff(region)) + 1, len(pos))  # where each region's rows end
-        cap = max(READ_CHUNK // (self.block_size * (1 + self.coalesce_gap_blocks)), 1)  # rows per chunk, at most
-        total, first = (0, 0, 0, 0), 0
-        while first < len(pos):
-            fitting = ends[(ends > first) & (ends <= first + cap)]
-            end = int(fitting[-1]) if len(fitting) else int(ends[ends > first][0])  # at least one region
-            got = self._read_chunk(region[first:end], pos[first:end], tail_pos, rows[first:end])
-            total, first = tuple(a + b for a, b in zip(total, got)), end
-        return total
+        rows_in = np.diff(np.concatenate(([0], ends)))
+        # what a region can need in the buffer: a block (and the gaps merged) per row, at most its blocks
+        cost = np.minimum(rows_in * self.block_size * (1 + self.coalesce_gap_blocks), self.region_bytes)
+        begins = np.concatenate(([0], ends[:-1]))
+        total, first, spent = (0, 0, 0, 0), 0, 0
+        for begin, c in zip(begins.tolist(), cost.tolist()):
+            if spent and spent + c > READ_CHUNK:  # this region starts the next chunk
+                got = self._read_chunk(region[first:begin], pos[first:begin], tail_pos, rows[first:begin])
+                total, first, spent = tuple(a + b for a, b in zip(total, got)), begin, 0
+            spent += c
+        got = self._read_chunk(region[first:], pos[first:], tail_pos, rows[first:])
+        return tuple(a + b for a, b in zip(total, got))
 
     def _read_chunk(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
         """The records of positions (region, pos), sorted by file offset, into rows [m, rec]:
