@@ -142,7 +142,9 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
     tried = []
     for candidate, changes in _candidates(config):
         selector = selector_for(candidate)
-        size = functools.partial(_sized, adapter=adapter, selector=selector, request=request, dtype=compute_dtype)
+        size = functools.partial(
+            estimate, adapter=adapter, selector=selector, request=request, compute_dtype=compute_dtype
+        )
         lean = candidate.replace(block_cache=0.0) if candidate.block_cache else candidate
         tried.append(size(lean))
         if sum(tried[-1].values()) > budget:
@@ -169,10 +171,6 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
         f"under policy {config.policy!r} ({largest}) "
         f"but compute_memory is {format_bytes(budget)}: lower the batch or the length, or raise compute_memory"
     )
-
-
-def _sized(config, adapter, selector, request: Request, dtype) -> dict[str, int]:
-    return estimate(config, adapter, selector, request, dtype)
 
 
 def _candidates(config):

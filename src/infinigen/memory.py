@@ -13,7 +13,7 @@ host memory) the tier and the compute share one memory; `tier_kv_bytes` is repor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +42,6 @@ class MemoryReport:
     batch: int
     positions: int
     tier: str
-    parts_order: tuple[str, ...] = field(default=PARTS, repr=False)
 
     @property
     def compute_kv_bytes(self) -> int:
@@ -59,7 +58,7 @@ class MemoryReport:
             "compute_kv_bytes": self.compute_kv_bytes,
             "dense_kv_bytes": self.dense_kv_bytes,
             "compute_share_of_dense_kv": self.compute_share,
-            "compute_parts": {p: self.parts.get(p, 0) for p in self.parts_order},
+            "compute_parts": {p: self.parts.get(p, 0) for p in PARTS},
             "tier_kv_bytes": self.tier_kv_bytes,
             "tier": self.tier,
             "weight_bytes": self.weight_bytes,

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from infinigen.bench.decode import _prompt_ids, _run_child, policy_configs, save_prefill
-from infinigen.budget import MemoryBudgetError, Request, estimate, plan
+from infinigen.budget import MemoryBudgetError, Request, plan
 from infinigen.cli_settings import DISK_DEFAULTS, add_arguments
 from infinigen.config import POLICIES
-from infinigen.memory import format_bytes
+from infinigen.memory import dense_kv_bytes, format_bytes
 from infinigen.provenance import commit, machine
 from infinigen.storage import row_bytes
 from infinigen.validation import parse_size
@@ -89,10 +89,7 @@ def run(args: argparse.Namespace) -> int:
     for p, cfg in configs:
         with attach(model, cfg, tokenizer=tok) as session:
             batch, why, parts = largest_batch(cfg, session, session.adapter, positions, args.max_batch, dtype)
-            dense_kv = sum(
-                estimate(cfg.replace(policy="dense"), session.adapter, None, Request(max(batch, 1), positions), dtype)
-                .values()
-            )  # fmt: skip
+            dense_kv = dense_kv_bytes(session.adapter, max(batch, 1), positions, cfg.storage_dtype() or dtype)
         planned = parts.pop("config", cfg)
         rows.append({
             "policy": p, "batch": batch, "context": args.context, "max_tokens": batch * args.context,
