@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, run_cli, tiny_model
-from infinigen import InfiniGenConfig, attach
+from infinigen import InfiniGenConfig, attach, budget
 from infinigen.budget import MemoryBudgetError, Request, estimate
 from infinigen.config import ConfigError
 from infinigen.models import get_adapter
@@ -38,6 +38,8 @@ CASES = [
     ("infinigen", "ram", {}),
     ("infinigen", "disk", {"partial_format": "int8"}),
     ("infinigen", "disk", {"partial_format": "int4", "correction": 0.05}),
+    ("infinigen", "disk", {"fetch_chunk": 16, "dense_layers_on_compute": False}),
+    ("full", "disk", {"fetch_chunk": 16}),
     ("quest", "disk", {}),
     ("h2o", "ram", {}),
     ("streaming", "disk", {}),
@@ -74,23 +76,31 @@ def _needs(cfg, model) -> int:
         return sum(estimate(cfg, get_adapter(model), sel, Request(B, P + N), torch.float32).values())
 
 
-def test_a_budget_is_met_by_giving_up_block_cache_then_precision():
+def test_a_budget_is_met_by_giving_up_block_cache_then_dense_layers_then_precision(monkeypatch):
+    monkeypatch.setattr(budget, "PLANNED_FETCH_CHUNK", 8)  # a chunk the tiny context is much longer than
     model = tiny_model("llama")
-    base = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", tier="disk", block_cache=0.5)
+    base = InfiniGenConfig(
+        budget=0.25, calibration_tokens=64, kv_dtype="float16", tier="disk", block_cache=0.5, partial_format="kv"
+    )
+    chunked = base.replace(block_cache=0.0, fetch_chunk=8, dense_layers_on_compute=False)
     steps = [
-        (_needs(base, model) - 8192, ["block cache 0.5 -> 0.4"]),
+        (_needs(base, model) - 8192, ["block cache 0.5 -> 0.4"], "kv"),
+        (_needs(chunked, model), ["dense layers read from the tier", "block cache 0.5 -> 0"], "kv"),
         (
-            _needs(base.replace(block_cache=0.0, partial_format="int4"), model),
-            ["partial keys kv -> int4", "block cache 0.5 -> 0"],
+            _needs(chunked.replace(partial_format="int4"), model),
+            ["dense layers read from the tier", "partial keys kv -> int4", "block cache 0.5 -> 0"],
+            "int4",
         ),
     ]
-    for budget, said in steps:
-        cfg = base.replace(compute_memory=str(budget))
+    for limit, said, fmt in steps:
+        cfg = base.replace(compute_memory=str(limit))
         measured, plan, summary = _generate(model, cfg, max_length=P + N, batch=B)
-        assert plan.total <= budget and measured.compute_kv_bytes <= budget
+        assert plan.total <= limit and measured.compute_kv_bytes <= limit
+        assert plan.config.partial_format == fmt
         changes = " ".join(plan.changes)
         assert all(s in changes for s in said), changes
         assert summary["plan"]["changes"] == list(plan.changes)
+    assert measured.parts["dense_layers"] == 0
     with pytest.raises(MemoryBudgetError):  # one byte less than the leanest plan
         _generate(model, base.replace(compute_memory=str(steps[-1][0] - 1 - 8192)), max_length=P + N, batch=B)
 

@@ -287,3 +287,35 @@ def test_a_run_whose_length_is_known_reserves_it_and_survives_a_full_disk(mount_
         ref = model.generate(**kwargs, past_key_values=session.new_cache(cfg.replace(tier="ram")))
     assert (disk / "filler").exists() and torch.equal(out, ref)
     assert [p.name for p in disk.iterdir()] == ["filler"] and open_files_in(disk) == []
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+@pytest.mark.parametrize("policy", ["full", "infinigen"])
+def test_every_row_read_in_chunks_attends_as_the_whole_layer_does(tmp_path, tier, policy):
+    """`fetch_chunk`: a layer that reads every row (full fetch; InfiniGen's dense layers when read
+    from the tier) attends it a chunk at a time with a carried softmax. Against the same policy
+    reading whole layers: the same tokens, logits within fp32 rounding, the same bytes read, and
+    transfer buffers that hold chunks, not the context (left padding masked inside chunks)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(length=100, pad=6)
+    base = InfiniGenConfig(
+        policy=policy, calibration_tokens=64, kv_dtype="float16", min_tokens=2, tier=tier,
+        kv_dir=str(tmp_path), dense_layers_on_compute=False,
+    )  # fmt: skip
+    with attach(model, base, progress=False) as session:
+        whole = session.new_cache(base)
+        out_whole = _generate(model, ids, mask, whole)
+        chunked = session.new_cache(base.replace(fetch_chunk=7))  # 100 positions: 14 full chunks and a part
+        out_chunked = _generate(model, ids, mask, chunked)
+        s_whole, s_chunked = whole.summary(), chunked.summary()
+        m_whole, m_chunked = whole.memory(), chunked.memory()
+        whole.close()
+        chunked.close()
+    assert torch.equal(out_whole.sequences, out_chunked.sequences)
+    for a, b in zip(out_whole.logits, out_chunked.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert s_chunked["rows_fetched"] == s_whole["rows_fetched"]
+    if tier == "ram":
+        assert s_chunked["bytes_fetched"] == s_whole["bytes_fetched"]
+    assert "dense_layers" not in {k for k, v in m_chunked.parts.items() if v}
+    assert m_chunked.parts["transfer_buffers"] < m_whole.parts["transfer_buffers"]

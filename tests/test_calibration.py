@@ -174,7 +174,9 @@ def test_a_given_artifact_file_is_never_rewritten(monkeypatch, tmp_path):
     model = tiny_model("llama")
     adapter = get_adapter(model)
     cfg = InfiniGenConfig(**BASE)
-    art = calibrate(model, adapter, synthetic_calibration_ids(96, 128), 0.75, True, progress=False)
+    art = calibrate(
+        model, adapter, synthetic_calibration_ids(96, 128), InfiniGenConfig().partial_ratio, True, progress=False
+    )
     given = tmp_path / "given.safetensors"
     art.save(given)
     before = given.read_bytes()
@@ -188,7 +190,9 @@ def test_a_given_artifact_file_is_never_rewritten(monkeypatch, tmp_path):
 def test_without_a_measurement_the_selector_says_how_to_get_one_and_a_whole_budget_needs_none():
     model = tiny_model("llama")
     adapter = get_adapter(model)
-    art = calibrate(model, adapter, synthetic_calibration_ids(96, 64), 0.75, True, progress=False)
+    art = calibrate(
+        model, adapter, synthetic_calibration_ids(96, 64), InfiniGenConfig().partial_ratio, True, progress=False
+    )
     with pytest.raises(NotCalibratedError, match="infinigen skew.*infinigen.attach.*uniform, calibrated"):
         make_selector(InfiniGenConfig(budget=0.25), adapter, art)
     whole = InfiniGenConfig(budget=1.0)

@@ -126,7 +126,9 @@ def test_the_share_is_read_at_the_budget_in_log_budget_and_clamped():
 def test_calibration_measures_a_table_for_each_global_layer_but_the_first(tmp_path):
     model = tiny_variant("gemma3")
     adapter = get_adapter(model)
-    art = calibrate(model, adapter, synthetic_calibration_ids(VOCAB, 64), 0.75, True, progress=False)
+    art = calibrate(
+        model, adapter, synthetic_calibration_ids(VOCAB, 64), InfiniGenConfig().partial_ratio, True, progress=False
+    )
     globals_ = [i for i in range(1, adapter.num_layers) if not adapter.is_local(i)]
     assert globals_ and sorted(art.correction_errors) == sorted(art.oracle_errors) == globals_
     budgets, shares = len(art.correction_budgets), len(art.correction_shares)
@@ -157,7 +159,9 @@ def test_the_chosen_correction_decodes_as_the_same_split_set_by_hand(tmp_path):
     speculation is within the target is left alone."""
     model = tiny_model("llama")
     adapter = get_adapter(model)
-    art = calibrate(model, adapter, synthetic_calibration_ids(VOCAB, 64), 0.75, True, progress=False)
+    art = calibrate(
+        model, adapter, synthetic_calibration_ids(VOCAB, 64), InfiniGenConfig().partial_ratio, True, progress=False
+    )
     n_s = len(art.correction_shares)
     assert art.correction_shares.tolist()[-1] == 0.5
     row = [10.0] * (n_s - 1) + [1.0]  # only half the budget as a top-up brings it within
@@ -189,7 +193,9 @@ def test_the_chosen_correction_decodes_as_the_same_split_set_by_hand(tmp_path):
 def test_a_number_or_own_speculation_overrides_the_tables():
     model = tiny_model("llama")
     adapter = get_adapter(model)
-    art = calibrate(model, adapter, synthetic_calibration_ids(VOCAB, 64), 0.75, True, progress=False)
+    art = calibrate(
+        model, adapter, synthetic_calibration_ids(VOCAB, 64), InfiniGenConfig().partial_ratio, True, progress=False
+    )
     rigged = _rigged(art, [10.0] * (len(art.correction_shares) - 1) + [1.0], [2, 3])
     explicit = make_selector(InfiniGenConfig(budget=0.2, allocation="uniform", correction=0.03), adapter, rigged)
     assert not explicit.layer_corrections and explicit.correction(3) == 0.03 and explicit.speculated_budget(3) == 0.2

@@ -143,7 +143,9 @@ def test_decode_through_the_kernel_equals_the_tensor_path(fmt, correction, monke
 def test_quantized_partial_keys_hold_a_fraction_of_16_bit_and_select_alike(fmt, most):
     """Bytes: codes plus a float16 scale per position, against c 16-bit channels (c = 12 here).
     Selection: most positions chosen from int8 / int4 keys are those 16-bit keys choose."""
-    base = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", partial_ratio=0.75)
+    base = InfiniGenConfig(
+        budget=0.25, calibration_tokens=64, kv_dtype="float16", partial_ratio=0.75, partial_format="kv"
+    )
     seq16, logits16, s16 = _decode(base, new=6)
     seq_q, logits_q, s_q = _decode(base.replace(partial_format=fmt), new=6)
     assert s_q["selector_bytes"] <= most * s16["selector_bytes"] * 1.03  # + sigma per layer

@@ -41,7 +41,9 @@ def test_infinigen_reports_its_partial_keys_with_room_under_a_quarter(ratio, kv_
     """The partial keys hold r*d channels of every cached position of every speculated layer, at
     the KV's storage width (the tiny model computes in fp32: 4 bytes when the KV is kept as computed)."""
     prompt, new = 150, 40
-    cfg = InfiniGenConfig(budget=0.25, partial_ratio=ratio, calibration_tokens=64, kv_dtype=kv_dtype)
+    cfg = InfiniGenConfig(
+        budget=0.25, partial_ratio=ratio, calibration_tokens=64, kv_dtype=kv_dtype, partial_format="kv"
+    )
     held, speculated = _selector_bytes(cfg, prompt, new)
     a = get_adapter(tiny_model("llama"))
     per_position = a.num_kv_heads * round(ratio * a.head_dim) * width

@@ -7,7 +7,9 @@ dtypes, the policy's roles and the selector's state. It is held to the measured 
 `tests/test_budget.py` (never below them, at most a stated margin above).
 
 `plan` fits a config into a budget, lossless changes first: the disk tier's block cache shrinks
-(speed only); then InfiniGen's partial keys go to int8, then int4 (`partial_format`). A request
+(speed only); then the layers that read every row read it in chunks (`fetch_chunk`), the dense
+layers read from the tier instead of kept (speed only); then InfiniGen's partial keys go to int8,
+then int4 (`partial_format`). A request
 that does not fit even then is refused in one sentence (`MemoryBudgetError`), before any KV is
 computed.
 """
@@ -26,6 +28,8 @@ from infinigen.memory import PARTS, format_bytes
 from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
 from infinigen.storage.disk import READ_CHUNK, STAGE_KEEP, block_size, default_directory, record_bytes
+
+PLANNED_FETCH_CHUNK = 512  # positions per read when a plan chunks every-row reads (128 KiB a region at d = 64)
 
 
 class MemoryBudgetError(InputError):
@@ -64,6 +68,9 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
     rows = transfer_rows(config, adapter, selector, n)
     if rows:  # two pairs (K and V), reserved for the most rows a step reads (transfer.RowBuffers)
         parts["transfer_buffers"] = 2 * 2 * b * hkv * rows * d * compute_item
+    chunked = {i % 2 for i, r in enumerate(roles) if r == Role.FETCH_ALL} if config.fetch_chunk else set()
+    # a layer read in chunks lands the next chunk in a second pair of its parity (one chunk)
+    parts["transfer_buffers"] += len(chunked) * 2 * b * hkv * min(config.fetch_chunk, n) * d * compute_item
     parts["metadata"] = b * 2 * n  # which positions are real (bool), grown by doubling
     if offloaded and config.spec.placement == "offload" and config.tier == "disk" and config.spec.fmt != "int4":
         _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, rows)
@@ -80,6 +87,8 @@ def transfer_rows(config, adapter, selector, positions: int) -> int:
             continue
         if role == Role.SELECT and selector is not None:
             most = max(most, min(selector.max_rows(i, positions), positions) + 1)
+        elif config.fetch_chunk:
+            most = max(most, min(config.fetch_chunk, positions))  # every row, a chunk at a time
         else:
             most = max(most, positions)  # every row: the past ones and the new token
     return most
@@ -174,13 +183,22 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
 
 
 def _candidates(config):
-    """Configs to try, in order: as given, then partial keys int8 / int4 (InfiniGen); each with
-    the changes it made."""
-    out = [(config, ())]
+    """Configs to try, in order: as given; then (lossless, slower) the layers that read every row
+    read in chunks, the dense layers among them instead of kept with the compute; then InfiniGen's
+    partial keys int8 / int4, each without and with the chunks (chunks of a short context can hold
+    more than the dense layers they replace). Each with the changes it made."""
+    formats = [(config, ())]
     if config.policy == "infinigen":
         order = ["kv", "int8", "int4"]
         for fmt in order[order.index(config.partial_format) + 1 :]:
-            out.append((config.replace(partial_format=fmt), (f"partial keys {config.partial_format} -> {fmt}",)))
-    # Reading the dense layers from the tier instead saves nothing: their rows land, whole, in
-    # transfer buffers of the compute dtype (two pairs: as large as keeping both layers).
+            formats.append((config.replace(partial_format=fmt), (f"partial keys {config.partial_format} -> {fmt}",)))
+    out = []
+    for candidate, changes in formats:
+        out.append((candidate, changes))
+        if config.spec.placement == "offload" and not config.fetch_chunk:
+            chunked = [f"every-row reads in chunks of {PLANNED_FETCH_CHUNK} positions"]
+            if config.spec.selector is not None and config.dense_layers_on_compute:
+                chunked.insert(0, "dense layers read from the tier")
+            lean = candidate.replace(fetch_chunk=PLANNED_FETCH_CHUNK, dense_layers_on_compute=False)
+            out.append((lean, (*chunked, *changes)))
     return out

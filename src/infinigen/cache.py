@@ -126,7 +126,13 @@ class InfiniGenCache(SessionCache):
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="infinigen-prefetch") if selector else None
         rows = transfer_rows(config, adapter, selector, max_length) if max_length is not None else 0
         self._shared = Shared(
-            self.storage, self.positions, self.counters, RowBuffers(rows), prefetch=self.prefetch, observer=observer
+            self.storage,
+            self.positions,
+            self.counters,
+            RowBuffers(rows, min(config.fetch_chunk, max_length or config.fetch_chunk)),
+            prefetch=self.prefetch,
+            observer=observer,
+            fetch_chunk=config.fetch_chunk,
         )
         layers: list[Any] = []
         for i, role in enumerate(roles):

@@ -123,7 +123,7 @@ class SpeculationKnobs(SelectionBudget):
         0.75, "fraction r of the head dimension kept as partial channels", fraction(), advanced=True
     )
     partial_format: str = knob(
-        "kv",
+        "int8",
         "how the partial keys are kept with the compute: kv (the KV's storage dtype), int8 or int4 (codes with a "
         "scale per channel and per position: about a half or a quarter of 16-bit, scored without widening)",
         one_of(PARTIAL_FORMATS),
@@ -227,6 +227,15 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         "keep the dense layers' KV with the compute instead of re-reading it from the slow tier",
         advanced=True,
     )
+    fetch_chunk: int = knob(
+        0,
+        "layers that read every row (full fetch; the dense layers when not kept with the compute) read and "
+        "attend it this many positions at a time, the next chunk read while one is attended (an online "
+        "softmax, exact): their transfer buffers hold two chunks instead of a whole layer (0: the whole layer "
+        "at once, issued one layer ahead)",
+        at_least(0),
+        advanced=True,
+    )
     kv_dtype: str | None = knob(
         None, "storage dtype of the KV: float32, float16 or bfloat16 (default: as computed)", one_of(KV_DTYPES)
     )
@@ -240,7 +249,7 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     )
     io_threads: int = knob(4, "disk reads in flight", at_least(1))
     block_cache: float = knob(
-        0.2,
+        0.0,
         "disk tier: fraction of each layer's 4 KiB blocks also kept in RAM as a read cache (lossless; when full, "
         "CLOCK picks the copy to drop: one read since the clock hand last passed it is spared once); 0 reads "
         "every block from disk",
@@ -263,8 +272,8 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     compute_memory: str | None = knob(
         None,
         "the most KV-related bytes kept next to the compute (e.g. 512MiB): the cache gives up block cache, then "
-        "partial-key precision, then keeping the dense layers, to fit, and refuses a request that cannot; default: "
-        "no budget",
+        "reads the dense layers from the tier in chunks, then lowers partial-key precision, to fit, and refuses "
+        "a request that cannot; default: no budget",
         size(),
     )
     measure_recall: bool = knob(

@@ -17,6 +17,7 @@ All answer the session's hooks: `own_input` (this layer's normalized attention i
 from __future__ import annotations
 
 import functools
+import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from infinigen.attention import attend_selection, attend_selection_output, atten
 from infinigen.layer_selector import LayerSelector, with_top_up
 from infinigen.roles import Role
 from infinigen.select import Selector
-from infinigen.speculate import PrefillAttention, Selection, all_valid
+from infinigen.speculate import PrefillAttention, Selection, all_valid, is_all_valid
 from infinigen.storage import KVTier, PooledTier, Storage
 from infinigen.transfer import (
     CacheCounters,
@@ -283,6 +284,7 @@ class Shared:
     buffers: RowBuffers = field(default_factory=RowBuffers)
     prefetch: Executor | None = None
     observer: AttendObserver | None = None
+    fetch_chunk: int = 0  # a layer that reads every row reads this many positions at a time (0: all at once)
 
 
 class OffloadedLayer(SessionLayer):
@@ -300,6 +302,7 @@ class OffloadedLayer(SessionLayer):
         self.record = Recorder(settings.index, shared.counters)
         self._transfer: Transfer | None = None
         self._selection: Selection | None = None  # what the current step attends, with the new token
+        self._first_chunk: tuple[Fetched, int] | None = None  # read in chunks: the first, and the past
 
     @property
     def index(self) -> int:
@@ -338,9 +341,7 @@ class OffloadedLayer(SessionLayer):
         compute thread goes on with the previous layer; issued at the layer itself, they run now."""
         past = self.length
         if self.selecting is None:
-            self._transfer = Transfer.every_row(
-                self.tier, past, self.device, self.dtype, self._room(past + 1), issued_at
-            )
+            self._transfer = self._every_row_step(past, issued_at)
             self.record.issued(issued_at, past, None)
             return
         plan = functools.partial(self._select_and_fetch, x, position_embeddings, past, self._valid(past), issued_at)
@@ -369,9 +370,18 @@ class OffloadedLayer(SessionLayer):
                 position_embeddings = tuple(t.to(self.device) for t in position_embeddings)
         return self.selecting.query(x, position_embeddings)[:, :, -1]
 
-    def _room(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _room(self, rows: int, second: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's transfer buffers with room for `rows` (see `RowBuffers`)."""
-        return self.shared.buffers.room(self.index, self.tier, rows, self.dtype, self.device)
+        return self.shared.buffers.room(self.index, self.tier, rows, self.dtype, self.device, second)
+
+    def _every_row_step(self, past: int, issued_at: int) -> Transfer:
+        """A decode step's read of every row: the whole past at once, or its first chunk when
+        the layer reads in chunks (the others are read while it attends, `_attend_chunks`)."""
+        chunk = self.shared.fetch_chunk
+        if chunk <= 0:
+            return Transfer.every_row(self.tier, past, self.device, self.dtype, self._room(past + 1), issued_at)
+        stop = min(chunk, past)
+        return Transfer.chunk(self.tier, 0, stop, self.device, self.dtype, self._room(stop), issued_at)
 
     def _valid(self, past: int) -> torch.Tensor:
         """[B, Hkv, past]: the positions that exist for each KV head (real, still stored);
@@ -396,13 +406,18 @@ class OffloadedLayer(SessionLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
-        self._selection = None
+        self._selection, self._first_chunk = None, None
+        past = self.length
         fetched = self._wait(n)
         self._append(key_states, value_states)
         if fetched is None:
             return key_states, value_states  # prefill: dense, from the freshly computed KV
-        if fetched.selection is not None or n == 1:
-            self.stats.count_step(fetched.fraction)
+        if n > 1:  # a prefill chunk after the first: the past, read whole into its own tensors
+            return torch.cat([fetched.rows[0], key_states], 2), torch.cat([fetched.rows[1], value_states], 2)
+        self.stats.count_step(fetched.fraction)
+        if self.selecting is None and self.shared.fetch_chunk > 0:
+            self._first_chunk = (fetched, past)  # the rest is read while attending (`_attend_chunks`)
+            return key_states, value_states
         self._selection = fetched.selection
         return self._place(fetched.rows[0].shape[2], key_states, value_states)
 
@@ -416,7 +431,12 @@ class OffloadedLayer(SessionLayer):
         if n > 1 or transfer is None:
             if transfer is not None:
                 transfer.settle()
-            transfer = Transfer.every_row(self.tier, past, self.device, self.dtype, self._room(past + n), self.index)
+            # A prefill chunk reads the whole past once, into tensors dropped after this layer: the
+            # transfer buffers stay sized for a decode step's rows, not grown to the context.
+            if n > 1:
+                transfer = Transfer.every_row(self.tier, past, self.device, self.dtype, None, self.index)
+            else:
+                transfer = self._every_row_step(past, self.index)
         fetched = transfer.wait()
         self.record.waited(fetched.waited)
         return fetched
@@ -444,6 +464,8 @@ class OffloadedLayer(SessionLayer):
 
     # ------------------------------------------------------------------ attend
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if self._first_chunk is not None:
+            return self._attend_chunks(query, key, value, attention_scaling(query, scaling)), None
         if self._selection is None:  # the prefill, or every row read back: the model's own attention
             if query.shape[2] > 1 and self.selecting is not None:  # the selector may want its weights
                 valid = self.shared.positions.upto(query.shape[0], key.shape[2], query.device)
@@ -456,6 +478,49 @@ class OffloadedLayer(SessionLayer):
         out = self._attend_selection(query, key, value, scaling)
         self._notify(query, scaling)
         return out, None
+
+    def _attend_chunks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
+        """Every row, read and attended a chunk at a time: while one chunk is attended the next
+        lands in the other buffer. The softmax is carried across chunks (running maximum, sum and
+        output, rescaled as the maximum grows), so the result is attention over every row and the
+        new token, in fp32, with two chunks held instead of the whole layer.
+
+        query [B, H, 1, d]; key, value [B, Hkv, 1, d]: the new token. Output [B, 1, H, d]."""
+        fetched, past = self._first_chunk
+        self._first_chunk = None
+        b, h, _, d = query.shape
+        hkv = key.shape[1]
+        q = query.reshape(b, hkv, h // hkv, d).to(torch.float32) * scaling
+        present = self._valid(past)
+        masked = not is_all_valid(present)
+        # the new token first: it is always attended, so the running maximum is finite from the start
+        top = torch.matmul(q, key.to(torch.float32).transpose(-1, -2))  # [B, Hkv, G, 1]
+        total = torch.ones_like(top)
+        out = value.to(torch.float32).expand(b, hkv, h // hkv, d).clone()
+        rows, start, second = fetched.rows, 0, False
+        while start < past:
+            stop = min(start + self.shared.fetch_chunk, past)
+            later = None
+            if stop < past:  # the next chunk lands in the other buffer while this one is attended
+                second = not second
+                after = min(stop + self.shared.fetch_chunk, past)
+                out_rows = self._room(after - stop, second)
+                later = Transfer.chunk(self.tier, stop, after, self.device, self.dtype, out_rows, self.index)
+            scores = torch.matmul(q, rows[0].to(torch.float32).transpose(-1, -2))  # [B, Hkv, G, c]
+            if masked:
+                scores = scores.masked_fill(~present[:, :, None, start:stop], -math.inf)
+            peak = torch.maximum(top, scores.amax(-1, keepdim=True))
+            shrink = torch.exp(top - peak)
+            weights = torch.exp(scores - peak)
+            total = total * shrink + weights.sum(-1, keepdim=True)
+            out = out * shrink + torch.matmul(weights, rows[1].to(torch.float32))
+            top = peak
+            if later is not None:
+                fetched = later.wait()
+                self.record.waited(fetched.waited)
+                rows = fetched.rows
+            start = stop
+        return (out / total).to(query.dtype).reshape(b, 1, h, d)
 
     def _top_up(self, query, key, value):
         """Speculate, then correct: the selector may add positions chosen with this layer's own

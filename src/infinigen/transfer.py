@@ -74,9 +74,18 @@ class Transfer:
         return cls(executor.submit(plan) if executor is not None else done_future(plan), issued_at)
 
     @classmethod
-    def every_row(cls, tier: KVTier, past: int, device, dtype, out: Rows, issued_at: int) -> Transfer:
+    def every_row(cls, tier: KVTier, past: int, device, dtype, out: Rows | None, issued_at: int) -> Transfer:
         """A read of the first `past` rows into `out`, started now."""
         rows = tier.read_all_async(past, device, dtype, out=out)
+        return cls(done_future(Planned, rows), issued_at)
+
+    @classmethod
+    def chunk(cls, tier: KVTier, start: int, stop: int, device, dtype, out: Rows, issued_at: int) -> Transfer:
+        """A read of positions [start, stop) of every row into `out`, started now (a chunk of a
+        layer read in chunks: what its step reads is every row, fraction 1)."""
+        indices = torch.arange(start, stop, device=device).expand(tier.batch, tier.kv_heads, stop - start)
+        valid = torch.ones((), dtype=torch.bool, device=device).expand(indices.shape)
+        rows = tier.gather_async(indices, valid, device, dtype, out=out)
         return cls(done_future(Planned, rows), issued_at)
 
     def settle(self) -> None:
@@ -102,23 +111,27 @@ class RowBuffers:
     stale rows, which attention masks out. A model split across devices gets two pairs per
     device: a layer's buffers live where it computes."""
 
-    def __init__(self, reserve: int = 0) -> None:
+    def __init__(self, reserve: int = 0, chunk: int = 0) -> None:
         """reserve: rows to make room for at the first use (the most a step of the planned
-        generation reads, `budget.transfer_rows`), so that the buffers never grow."""
-        self._pairs: dict[tuple[int, str], Rows] = {}
-        self.reserve = reserve
+        generation reads, `budget.transfer_rows`), so that the buffers never grow. chunk: the
+        positions a layer read in chunks reads at a time (`fetch_chunk`): such a layer attends one
+        chunk from its parity's pair while the next lands in a second pair of that parity
+        (`second=True`), which holds one chunk."""
+        self._pairs: dict[tuple[int, bool, str], Rows] = {}
+        self.reserve, self.chunk = reserve, chunk
 
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self._pairs.values())
 
-    def room(self, layer: int, like: KVTier, rows: int, dtype, device) -> Rows:
-        key = (layer % 2, str(torch.device(device)))
+    def room(self, layer: int, like: KVTier, rows: int, dtype, device, second: bool = False) -> Rows:
+        key = (layer % 2, second, str(torch.device(device)))
         pair = self._pairs.get(key)
         have = 0 if pair is None else pair[0].shape[2]
         same_kind = pair is not None and pair[0].dtype == dtype and pair[0].shape[:2] == (like.batch, like.kv_heads)
         if not same_kind or rows > have:
-            shape = (like.batch, like.kv_heads, max(rows, 2 * have if same_kind else self.reserve), like.head_dim)
+            size = max(rows, self.chunk) if second else max(rows, 2 * have if same_kind else self.reserve)
+            shape = (like.batch, like.kv_heads, size, like.head_dim)
             k = torch.zeros(shape, dtype=dtype, device=device)
             v = torch.zeros_like(k)
             if same_kind:  # what is held stays (a fetch may already have landed)
