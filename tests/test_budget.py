@@ -159,3 +159,20 @@ def test_the_int4_baseline_holds_exactly_its_packed_kv_for_the_planned_length():
     assert measured.tier_kv_bytes == a.num_layers * B * a.num_kv_heads * (P + N) * row_bytes(
         "int4", a.head_dim, torch.float16
     )
+
+
+def test_a_planned_chunk_is_the_largest_the_budget_leaves(monkeypatch):
+    """Chunks only cost speed: between keeping the dense layers and the smallest chunk, the plan
+    takes the largest chunk that still fits."""
+    monkeypatch.setattr(budget, "PLANNED_FETCH_CHUNK", 8)
+    model = tiny_model("llama")
+    base = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", tier="disk")
+    smallest = _needs(base.replace(fetch_chunk=8, dense_layers_on_compute=False), model)
+    kept = _needs(base, model)
+    assert smallest < kept
+    limit = (smallest + kept) // 2
+    measured, plan, _ = _generate(model, base.replace(compute_memory=str(limit)), max_length=P + N, batch=B)
+    chunk = plan.config.fetch_chunk
+    assert 8 < chunk < P + N and f"chunks of {chunk} positions" in " ".join(plan.changes)
+    assert measured.compute_kv_bytes <= plan.total <= limit
+    assert _needs(plan.config.replace(fetch_chunk=chunk + 1, compute_memory=None), model) > limit

@@ -7,9 +7,10 @@ dtypes, the policy's roles and the selector's state. It is held to the measured 
 `tests/test_budget.py` (never below them, at most a stated margin above).
 
 `plan` fits a config into a budget, lossless changes first: the disk tier's block cache shrinks
-(speed only); then the layers that read every row read it in chunks (`fetch_chunk`), the dense
-layers read from the tier instead of kept (speed only); then InfiniGen's partial keys go to int8,
-then int4 (`partial_format`). A request
+(speed only); then the layers that read every row read it in chunks (`fetch_chunk`: the largest
+chunk the budget leaves, at least `PLANNED_FETCH_CHUNK`), the dense layers read from the tier
+instead of kept (speed only); then InfiniGen's partial keys go to a lower precision (int8, then
+int4: `partial_format`). A request
 that does not fit even then is refused in one sentence (`MemoryBudgetError`), before any KV is
 computed.
 """
@@ -29,7 +30,9 @@ from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
 from infinigen.storage.disk import READ_CHUNK, STAGE_KEEP, block_size, default_directory, record_bytes
 
-PLANNED_FETCH_CHUNK = 512  # positions per read when a plan chunks every-row reads (128 KiB a region at d = 64)
+PLANNED_FETCH_CHUNK = (
+    512  # the fewest positions per read when a plan chunks every-row reads (128 KiB a region at d = 64)
+)
 
 
 class MemoryBudgetError(InputError):
@@ -158,6 +161,11 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
         tried.append(size(lean))
         if sum(tried[-1].values()) > budget:
             continue
+        if candidate.fetch_chunk != config.fetch_chunk:  # chunks the plan chose: the largest that fits
+            fits = lambda c, size=size, lean=lean: sum(size(lean.replace(fetch_chunk=c)).values()) <= budget  # noqa: E731
+            chunk = _largest(fits, candidate.fetch_chunk, request.positions)
+            candidate, lean = candidate.replace(fetch_chunk=chunk), lean.replace(fetch_chunk=chunk)
+            changes = tuple(c.replace(f"chunks of {PLANNED_FETCH_CHUNK} ", f"chunks of {chunk} ") for c in changes)
         low, high = 0.0, candidate.block_cache  # the largest block cache that fits (it only speeds reads)
         if sum(size(candidate).values()) > budget:
             for _ in range(20):
@@ -180,6 +188,15 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
         f"under policy {config.policy!r} ({largest}) "
         f"but compute_memory is {format_bytes(budget)}: lower the batch or the length, or raise compute_memory"
     )
+
+
+def _largest(fits, low: int, high: int) -> int:
+    """The largest n in [low, high] with fits(n), given fits(low) and that fitting only gets
+    harder as n grows."""
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 def _candidates(config):

@@ -185,8 +185,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(
         f"\nInfiniGen speculates each layer's attention one layer ahead and reads only the selected rows "
         f"({100 * (ig.summary['fetched_fraction'] or 0):.1f}% of the KV per speculated layer; its first "
-        f"{config.dense_layers} layers keep their KV with the compute; rows it reads again come from a RAM block "
-        f"cache, {format_bytes(ig.summary['bytes_cached'] / max(ig.summary['decode_steps'], 1))}/token). Measured on "
+        f"{config.dense_layers} layers keep their KV with the compute; "
+        f"{format_bytes(ig.summary['bytes_cached'] / max(ig.summary['decode_steps'], 1))}/token came from RAM in front "
+        "of the disk: unwritten tail blocks and the block cache, if any). Measured on "
         "this machine: decode tokens/s over the generated tokens, prefill excluded. KV kept with compute: every "
         f"KV-related byte held next to the compute at the end (weights apart), as a share of dense's KV in "
         f"{config.kv_dtype or 'the compute dtype'}; infinigen's {memory_line(ig.summary['memory'])}. The full "

@@ -155,6 +155,9 @@ def _measure(args, model, tok, rows: list[dict]) -> None:
                 "compute_parts": m["compute_parts"], "tier_kv_bytes": m["tier_kv_bytes"],
                 "bytes_read_per_token": m["bytes_read_per_token"], "fetched_fraction": m["fetched_fraction"],
             })  # fmt: skip
+            if r["policy"] == "int4":  # its packed KV (the "tier", host RAM) is the KV kept with the compute
+                r["compute_parts"] = {**r["compute_parts"], "quantized_kv": m["tier_kv_bytes"]}
+                r["compute_kv_bytes"] += m["tier_kv_bytes"]
             bar.update(1)
     bar.close()
 
