@@ -291,7 +291,8 @@ def test_a_run_whose_length_is_known_reserves_it_and_survives_a_full_disk(mount_
 
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
-def test_every_row_read_in_chunks_attends_as_the_whole_layer_does(tmp_path, tier, policy):
+@pytest.mark.parametrize("chunk", [7, 60, 200])  # many chunks, two (both read ahead), one
+def test_every_row_read_in_chunks_attends_as_the_whole_layer_does(tmp_path, tier, policy, chunk):
     """`fetch_chunk`: a layer that reads every row (full fetch; InfiniGen's dense layers when read
     from the tier) attends it a chunk at a time with a carried softmax. Against the same policy
     reading whole layers: the same tokens, logits within fp32 rounding, the same bytes read, and
@@ -305,7 +306,7 @@ def test_every_row_read_in_chunks_attends_as_the_whole_layer_does(tmp_path, tier
     with attach(model, base, progress=False) as session:
         whole = session.new_cache(base)
         out_whole = _generate(model, ids, mask, whole)
-        chunked = session.new_cache(base.replace(fetch_chunk=7))  # 100 positions: 14 full chunks and a part
+        chunked = session.new_cache(base.replace(fetch_chunk=chunk))  # 100 positions and 6 new
         out_chunked = _generate(model, ids, mask, chunked)
         s_whole, s_chunked = whole.summary(), chunked.summary()
         m_whole, m_chunked = whole.memory(), chunked.memory()
@@ -318,4 +319,5 @@ def test_every_row_read_in_chunks_attends_as_the_whole_layer_does(tmp_path, tier
     if tier == "ram":
         assert s_chunked["bytes_fetched"] == s_whole["bytes_fetched"]
     assert "dense_layers" not in {k for k, v in m_chunked.parts.items() if v}
-    assert m_chunked.parts["transfer_buffers"] < m_whole.parts["transfer_buffers"]
+    if chunk < 100:
+        assert m_chunked.parts["transfer_buffers"] < m_whole.parts["transfer_buffers"]
