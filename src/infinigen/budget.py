@@ -30,9 +30,8 @@ from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
 from infinigen.storage.disk import READ_CHUNK, STAGE_KEEP, block_size, default_directory, record_bytes
 
-PLANNED_FETCH_CHUNK = (
-    512  # the fewest positions per read when a plan chunks every-row reads (128 KiB a region at d = 64)
-)
+# The fewest positions per read when a plan chunks every-row reads (128 KiB a region at d = 64).
+PLANNED_FETCH_CHUNK = 512
 
 
 class MemoryBudgetError(InputError):
