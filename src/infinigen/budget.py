@@ -32,6 +32,7 @@ from infinigen.storage.disk import READ_CHUNK, STAGE_KEEP, block_size, default_d
 
 # The fewest positions per read when a plan chunks every-row reads (128 KiB a region at d = 64).
 PLANNED_FETCH_CHUNK = 512
+CHUNKED = "every-row reads in chunks"  # a plan's change; the chunk it sized follows
 
 
 class MemoryBudgetError(InputError):
@@ -164,7 +165,7 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
             fits = lambda c, size=size, lean=lean: sum(size(lean.replace(fetch_chunk=c)).values()) <= budget  # noqa: E731
             chunk = _largest(fits, candidate.fetch_chunk, request.positions)
             candidate, lean = candidate.replace(fetch_chunk=chunk), lean.replace(fetch_chunk=chunk)
-            changes = tuple(c.replace(f"chunks of {PLANNED_FETCH_CHUNK} ", f"chunks of {chunk} ") for c in changes)
+            changes = tuple(f"{c} of {chunk} positions" if c == CHUNKED else c for c in changes)
         low, high = 0.0, candidate.block_cache  # the largest block cache that fits (it only speeds reads)
         if sum(size(candidate).values()) > budget:
             for _ in range(20):
@@ -212,7 +213,7 @@ def _candidates(config):
     for candidate, changes in formats:
         out.append((candidate, changes))
         if config.spec.placement == "offload" and not config.fetch_chunk:
-            chunked = [f"every-row reads in chunks of {PLANNED_FETCH_CHUNK} positions"]
+            chunked = [CHUNKED]  # `plan` names the chunk it sizes
             if config.spec.selector is not None and config.dense_layers_on_compute:
                 chunked.insert(0, "dense layers read from the tier")
             lean = candidate.replace(fetch_chunk=PLANNED_FETCH_CHUNK, dense_layers_on_compute=False)
