@@ -20,6 +20,7 @@ import torch
 
 from conftest import open_files_in
 from infinigen.storage import DiskTier, KVCapacityError, KVStorageError, RamTier, TransferStats
+from infinigen.storage.base import KVIndexError
 
 B, H, D = 2, 3, 64
 PREFILL, DECODE = 300, 20
@@ -143,6 +144,14 @@ def test_bit_identical_to_ram(kv_dir, dtype, d, cache, gather_path):
             kr, vr = ram.read_all(upto, torch.device("cpu"), torch.float32)
             kd, vd = disk.read_all(upto, torch.device("cpu"), torch.float32)
             assert torch.equal(kr, kd) and torch.equal(vr, vd)
+        # Ranges: inside one block, across blocks, from mid-block, into and wholly within the tail.
+        n = ram.length
+        for start, stop in ((0, 0), (5, 9), (3, 40), (17, PREFILL), (PREFILL - 2, n), (n - 1, n), (n, n)):
+            kr, vr = ram.read_range_async(start, stop, torch.device("cpu"), torch.float32).result()
+            kd, vd = disk.read_range_async(start, stop, torch.device("cpu"), torch.float32).result()
+            assert kd.shape == (B, H, stop - start, d)
+            assert torch.equal(kr, kd) and torch.equal(vr, vd)
+            assert torch.equal(kd, disk.peek_all()[0][:, :, start:stop].float())
         kr, vr = ram.peek_all()
         kd, vd = disk.peek_all()
         assert kd.dtype == dtype and torch.equal(kr, kd) and torch.equal(vr, vd)
@@ -527,6 +536,30 @@ def test_a_large_gather_reads_in_bounded_chunks_and_is_still_bit_identical(kv_di
     (bytes_all, rows_all, buffer_all), (bytes_chunked, rows_chunked, buffer_chunked) = results
     assert (bytes_all, rows_all) == (bytes_chunked, rows_chunked)
     assert buffer_chunked < buffer_all
+
+
+def test_a_range_reads_the_blocks_it_covers_once_per_region(kv_dir):
+    """A chunk of a layer read in chunks costs one sequential read per region of exactly the
+    whole blocks its positions touch (the RAM tail apart), not a gather's scattered reads."""
+    gen = torch.Generator().manual_seed(8)
+    ram, disk = _pair(kv_dir, b=2, h=3)
+    with disk:
+        _append_both(ram, disk, PREFILL, gen)
+        per_block = disk.block_size // disk.record_bytes
+        on_disk = disk.length // per_block * per_block  # positions in whole blocks on disk
+        for start, stop in ((0, 1), (per_block - 1, per_block + 1), (3, on_disk), (per_block, 3 * per_block)):
+            disk.stats.reset()
+            kd, vd = disk.read_range_async(start, stop, torch.device("cpu"), torch.float32).result()
+            kr, vr = ram.read_range_async(start, stop, torch.device("cpu"), torch.float32).result()
+            assert torch.equal(kr, kd) and torch.equal(vr, vd)
+            blocks = -(-stop // per_block) - start // per_block
+            assert disk.stats.bytes == 2 * 3 * blocks * disk.block_size
+            assert disk.stats.reads == 2 * 3
+            assert disk.stats.rows == 2 * 3 * (stop - start)
+        with pytest.raises(KVIndexError, match="holds"):
+            disk.read_range_async(5, disk.length + 1, torch.device("cpu"), torch.float32)
+        with pytest.raises(KVIndexError, match="holds"):
+            disk.read_range_async(6, 5, torch.device("cpu"), torch.float32)
 
 
 def test_reading_every_row_goes_a_few_regions_at_a_time(kv_dir, monkeypatch):

@@ -173,6 +173,9 @@ def test_tier_read_all_matches_fake_quantize(dtype):
     part, _ = tier.read_all(7, torch.device("cpu"), torch.float32)
     assert torch.equal(part, fake_quantize_int4(k.float())[:, :, :7])
     assert stats.bytes == 2 * 3 * (305 + 7) * 72 and stats.requests == 2
+    mid, _ = tier.read_range_async(3, 260, torch.device("cpu"), torch.float32).result()
+    assert torch.equal(mid, fake_quantize_int4(k.float())[:, :, 3:260])
+    assert stats.bytes == 2 * 3 * (305 + 7 + 257) * 72 and stats.requests == 3
 
 
 def test_tier_gather_matches_rows_and_counts_valid_only():

@@ -10,7 +10,7 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from infinigen import InfiniGenConfig, attach, kernels
-from infinigen.speculate import aggregate_group, all_valid, partial_scores, select_positions, top_up
+from infinigen.speculate import aggregate_group, all_valid, partial_scores, select_blocks, select_positions, top_up
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -86,6 +86,26 @@ def test_kernel_equals_tensor_path(agg, setting, t, padded):
         slots = torch.arange(n) < counts[..., None]
         assert torch.equal(torch.where(slots, idx, 0), ref.indices)
         assert not idx[~slots].any()  # padding slots hold 0
+
+
+@pytest.mark.parametrize("agg", ["union", "max"])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("t", [1, 9, 40, 300])
+@pytest.mark.parametrize("block", [2, 5, 16])
+def test_kernel_block_selection_equals_tensor_path(agg, setting, t, block):
+    """Aligned blocks (a block scores its best valid position; budget, cap and floor count
+    blocks): the same positions as `speculate.select_blocks`, compact and ascending."""
+    alpha, budget, budget_tokens, min_tokens = setting
+    for seed in range(3):
+        keys, query, valid = _case(seed, t=t)
+        kp = keys[..., :t].transpose(-1, -2)
+        g = aggregate_group(partial_scores(query, kp, 1.0), valid, keys.shape[1], agg)
+        ref = select_blocks(g, valid, block, alpha, budget, budget_tokens, min_tokens)
+        idx, counts = kernels.select(keys, t, query, valid, agg, alpha, budget, budget_tokens, min_tokens, block=block)
+        for b in range(valid.shape[0]):
+            for h in range(valid.shape[1]):
+                want = sorted(int(p) for p, v in zip(ref.indices[b, h], ref.valid[b, h]) if v)
+                assert idx[b, h, : counts[b, h]].tolist() == want
 
 
 @pytest.mark.parametrize("t", [200, 5000])

@@ -126,10 +126,11 @@ def _decode(cfg: InfiniGenConfig, new: int = 12):
 
 @pytest.mark.usefixtures("_kernel")
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("correction", [0.0, 0.05])
-def test_decode_through_the_kernel_equals_the_tensor_path(fmt, correction, monkeypatch):
+@pytest.mark.parametrize("correction, block", [(0.0, 1), (0.05, 1), (0.05, 4)])
+def test_decode_through_the_kernel_equals_the_tensor_path(fmt, correction, block, monkeypatch):
+    """Positions, or aligned blocks of them (`block_tokens`), with and without a correction."""
     cfg = InfiniGenConfig(budget=0.1, calibration_tokens=64, kv_dtype="float16", correction=correction,
-                          partial_format=fmt)  # fmt: skip
+                          partial_format=fmt, block_tokens=block)  # fmt: skip
     runs = []
     for enabled in ("1", "0"):
         monkeypatch.setenv("INFINIGEN_KERNELS", enabled)

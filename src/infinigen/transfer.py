@@ -82,10 +82,9 @@ class Transfer:
     @classmethod
     def chunk(cls, tier: KVTier, start: int, stop: int, device, dtype, out: Rows, issued_at: int) -> Transfer:
         """A read of positions [start, stop) of every row into `out`, started now (a chunk of a
-        layer read in chunks: what its step reads is every row, fraction 1)."""
-        indices = torch.arange(start, stop, device=device).expand(tier.batch, tier.kv_heads, stop - start)
-        valid = torch.ones((), dtype=torch.bool, device=device).expand(indices.shape)
-        rows = tier.gather_async(indices, valid, device, dtype, out=out)
+        layer read in chunks: what its step reads is every row, fraction 1), through the tier's
+        sequential read."""
+        rows = tier.read_range_async(start, stop, device, dtype, out=out)
         return cls(done_future(Planned, rows), issued_at)
 
     def settle(self) -> None:

@@ -91,7 +91,8 @@ def _compile() -> ctypes.CDLL:
 def _bind(lib: ctypes.CDLL) -> None:
     p, i64, f32, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
     lib.ig_select.restype = i64
-    lib.ig_select.argtypes = [p, cint, i64, i64, p, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, p, p, p, p, p]
+    lib.ig_select.argtypes = [p, cint, i64, i64, p, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, i64]
+    lib.ig_select.argtypes += [p, p, p, p, p]
     lib.ig_top_up.restype = i64
     lib.ig_top_up.argtypes = [p, cint, i64, i64, p, p, i64, i64, i64, i64, p, cint, p, p, p, p, p, p, p]
     lib.ig_widen.restype = None
@@ -175,9 +176,11 @@ def select(
     budget_tokens: int | None,
     min_tokens: int,
     scales: torch.Tensor | None = None,
+    block: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """InfiniGen's selection in one call (the rule of `speculate.aggregate_group` followed by
-    `speculate.select_positions`, scores from `speculate.partial_scores`).
+    `speculate.select_positions`, or by `speculate.select_blocks` for `block` > 1; scores from
+    `speculate.partial_scores`).
 
     keys: [B, Hkv, c, >= length] channel-major partial keys, contiguous, in a `KEY_FORMATS`
           dtype (16-bit keys are widened exactly to float32; the scores are float32 either way);
@@ -185,12 +188,16 @@ def select(
     valid: [B, Hkv, length] bool, or None when every position exists;
     scales: for quantized keys (int8 codes [B, Hkv, c, >= length], or uint8 [B, Hkv, c/2, >= length]
           holding two 4-bit codes per byte), the per-position scales [B, Hkv, 1, same room] float16;
-          the per-channel scales are already folded into `query`.
+          the per-channel scales are already folded into `query`;
+    block: choose aligned blocks of this many positions (each scored by its best position) and
+          return every valid position of the chosen blocks.
     Returns (indices [B, Hkv, n] ascending, padding slots 0; counts [B, Hkv])."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1, got {block}")
     call = _Call(keys, length, query, valid, scales)
     n = call.lib.ig_select(
         *call.head, AGGREGATIONS[aggregation], float(alpha),
-        float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens), *call.tail,
+        float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens), int(block), *call.tail,
     )  # fmt: skip
     return call.result(n)
 
@@ -255,6 +262,8 @@ class _Call:
         self.tail = (*(t.data_ptr() for t in scratch), self.out.data_ptr(), self.counts.data_ptr())
 
     def result(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n == -2:
+            raise MemoryError("the selection kernel could not allocate its block scratch")
         if n < 0:
             raise ValueError(f"a GQA group of more than {MAX_GROUP} query heads per KV head is not supported")
         return self.out[:, :n].reshape(*self.shape, n), self.counts.reshape(self.shape)

@@ -320,14 +320,86 @@ static void pad_rows(int64_t R, int64_t T, const int64_t *count, int64_t widest,
         for (int64_t m = count[r]; m < widest; m++) out_idx[r * T + m] = 0;
 }
 
-/* Returns the largest count over rows (the width of the selection). */
+/* The rule over one row of scores z[0..n) (vr: which exist, NULL: all; ctx: how many do):
+   the threshold alpha below the best, the cap (budget of ctx, at most budget_tokens when >= 0),
+   the floor min_tokens; writes the chosen ascending to out and returns how many. */
+static int64_t choose(const float *z, const uint8_t *vr, int64_t n, int64_t ctx, float alpha, double budget,
+                      int64_t budget_tokens, int64_t min_tokens, float *tmp, int64_t *out) {
+    const float thr = max_of(z, n) - alpha;
+    int64_t kept = 0;
+    if (vr) {
+        for (int64_t t = 0; t < n; t++) kept += (vr[t] != 0) & (z[t] >= thr);
+    } else {
+        for (int64_t t = 0; t < n; t++) kept += z[t] >= thr;
+    }
+    int64_t cap = budget < 1.0 ? (int64_t)ceil((double)ctx * budget) : ctx;
+    if (budget_tokens >= 0 && cap > budget_tokens) cap = budget_tokens;
+    int64_t count = kept < cap ? kept : cap;
+    const int64_t floor_ = ctx < min_tokens ? ctx : min_tokens;
+    if (count < floor_) count = floor_;
+    if (count > ctx) count = ctx;
+    /* the count-th largest valid score becomes the threshold when the cap or floor moved it */
+    const float cut = count != kept ? cut_at(z, vr, NULL, n, count, tmp) : thr;
+    return emit_above(z, vr, NULL, n, count, cut, out);
+}
+
+/* The rule applied to aligned blocks of `block` positions (speculate.select_blocks): a block
+   scores its best valid position and exists when it holds one; budget_tokens and min_tokens
+   count blocks (at least one); every valid position of a chosen block is written, ascending.
+   zb, bidx: [nb] scratch, bv: [nb] bytes. Returns how many positions it wrote. */
+static int64_t choose_blocks(const float *z, const uint8_t *vr, int64_t T, int64_t block, float alpha,
+                             double budget, int64_t budget_tokens, int64_t min_tokens, float *zb, uint8_t *bv,
+                             int64_t *bidx, float *tmp, int64_t *out) {
+    const int64_t nb = (T + block - 1) / block;
+    int64_t cb = 0;
+    for (int64_t j = 0; j < nb; j++) {
+        const int64_t end = (j + 1) * block < T ? (j + 1) * block : T;
+        float m = -INFINITY;
+        uint8_t any = 0;
+        for (int64_t t = j * block; t < end; t++) {
+            const uint8_t ok = !vr || vr[t];
+            any |= ok;
+            m = ok ? maxf(z[t], m) : m;
+        }
+        zb[j] = m;
+        bv[j] = any;
+        cb += any;
+    }
+    const int64_t bt = budget_tokens < 0 ? -1 : (budget_tokens / block > 1 ? budget_tokens / block : 1);
+    const int64_t bf = (min_tokens + block - 1) / block > 1 ? (min_tokens + block - 1) / block : 1;
+    const int64_t chosen = choose(zb, bv, nb, cb, alpha, budget, bt, bf, tmp, bidx);
+    int64_t m = 0;
+    for (int64_t i = 0; i < chosen; i++) {
+        const int64_t start = bidx[i] * block, end = start + block < T ? start + block : T;
+        for (int64_t t = start; t < end; t++)
+            if (!vr || vr[t]) out[m++] = t;
+    }
+    return m;
+}
+
+/* Returns the largest count over rows (the width of the selection); -1 for a group wider than
+   MAX_GROUP, -2 when block scratch cannot be allocated. block: 1 selects positions, more selects
+   aligned blocks of that many. */
 int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const uint16_t *scales,
                   const float *query,
                   int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode,
-                  float alpha, double budget, int64_t budget_tokens, int64_t min_tokens,
+                  float alpha, double budget, int64_t budget_tokens, int64_t min_tokens, int64_t block,
                   float *scores /* [G][T] */, float *z /* [T] */, float *tmp /* [T] */,
                   int64_t *out_idx /* [R][T] */, int64_t *out_count /* [R] */) {
     if (G > MAX_GROUP) return -1;
+    const int64_t nb = block > 1 ? (T + block - 1) / block : 0;
+    float *zb = NULL;
+    uint8_t *bv = NULL;
+    int64_t *bidx = NULL;
+    if (nb) {
+        zb = malloc((size_t)nb * sizeof(float));
+        bv = malloc((size_t)nb);
+        bidx = malloc((size_t)nb * sizeof(int64_t));
+        if (!zb || !bv || !bidx) {
+            free(zb); free(bv); free(bidx);
+            return -2;
+        }
+    }
     int64_t widest = 0;
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *vr = valid ? valid + r * T : NULL;
@@ -335,26 +407,12 @@ int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int6
         const int64_t ctx = group_scores_row(keys, key_format, r * key_row_stride, ld, scales ? scales + r * ld : NULL,
                                              query + r * G * C, G, C, T, vr, mode, scores, z, tmp);
         if (ctx == 0) continue;
-
-        /* threshold, cap, floor */
-        const float thr = max_of(z, T) - alpha;
-        int64_t kept = 0;
-        if (vr) {
-            for (int64_t t = 0; t < T; t++) kept += (vr[t] != 0) & (z[t] >= thr);
-        } else {
-            for (int64_t t = 0; t < T; t++) kept += z[t] >= thr;
-        }
-        int64_t cap = budget < 1.0 ? (int64_t)ceil((double)ctx * budget) : ctx;
-        if (budget_tokens >= 0 && cap > budget_tokens) cap = budget_tokens;
-        int64_t count = kept < cap ? kept : cap;
-        const int64_t floor_ = ctx < min_tokens ? ctx : min_tokens;
-        if (count < floor_) count = floor_;
-        if (count > ctx) count = ctx;
-        /* the count-th largest valid score becomes the threshold when the cap or floor moved it */
-        const float cut = count != kept ? cut_at(z, vr, NULL, T, count, tmp) : thr;
-        out_count[r] = emit_above(z, vr, NULL, T, count, cut, out_idx + r * T);
+        out_count[r] = nb ? choose_blocks(z, vr, T, block, alpha, budget, budget_tokens, min_tokens, zb, bv, bidx,
+                                          tmp, out_idx + r * T)
+                          : choose(z, vr, T, ctx, alpha, budget, budget_tokens, min_tokens, tmp, out_idx + r * T);
         if (out_count[r] > widest) widest = out_count[r];
     }
+    free(zb); free(bv); free(bidx);
     pad_rows(R, T, out_count, widest, out_idx);
     return widest;
 }

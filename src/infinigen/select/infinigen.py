@@ -25,7 +25,7 @@ Additions, each a knob:
 
 The C kernel implements the threshold/budget/floor rule with one budget per call, so a per-layer
 budget uses it too, and the correction's top-up (`kernels.top_up`, the rule of
-`speculate.top_up`); blocks (`block_tokens` > 1) run on the tensor path (`speculate.select_blocks`)."""
+`speculate.top_up`); blocks (`block_tokens` > 1) too (`speculate.select_blocks` is their tensor path)."""
 
 from __future__ import annotations
 
@@ -162,12 +162,12 @@ class InfiniGenSelector(Selector):
     def select(self, state, layer, query, past, valid) -> Selection:
         k = self.knobs
         budget = self.speculated_budget(layer)
-        if k.block_tokens <= 1 and self._kernel_reads(state, query):
+        if self._kernel_reads(state, query):
             # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
             keys, q, scales = self._kernel_operands(state, layer, query)
             idx, counts = kernels.select(
                 keys, past, q, None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
-                budget, k.budget_tokens, k.min_tokens, scales=scales,
+                budget, k.budget_tokens, k.min_tokens, scales=scales, block=k.block_tokens,
             )  # fmt: skip
             return _selection(idx, counts)
         g = self.scores(state, layer, query, past, valid)

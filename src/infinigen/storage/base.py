@@ -5,7 +5,7 @@ for rows back; every read is counted (bytes, rows, requests, seconds) so that be
 what moved instead of estimating it. Writes (the KV of new tokens) are not fetch traffic.
 
 The public methods validate their arguments here, once, and then call the tier's `_append`,
-`_gather_async` and `_read_all_async`, so that no tier can skip a shape or index check.
+`_gather_async` and `_read_range_async`, so that no tier can skip a shape or index check.
 """
 
 from __future__ import annotations
@@ -178,17 +178,31 @@ class KVTier(ABC):
     ) -> Future:
         """Positions [0, upto) of every row, delivered later as [B, Hkv, upto, d] each; counted.
         out: buffers [B, Hkv, >= upto, d] to write them into (see `gather_async`)."""
-        if isinstance(upto, bool) or not hasattr(upto, "__index__"):
-            raise KVInputError(f"upto must be an integer number of positions, got {_describe(upto)}")
-        upto = upto.__index__()
-        if not 0 <= upto <= self.length:
-            raise KVIndexError(f"asked for {upto} positions but the tier holds {self.length}")
-        _check_dtype(dtype)
-        self._check_out(out, upto, device, dtype)
-        return self._read_all_async(upto, device, dtype, out)
+        return self.read_range_async(0, upto, device, dtype, out)
 
     def read_all(self, upto, device, dtype, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read_all_async(upto, device, dtype, out).result()
+
+    def read_range_async(
+        self,
+        start: int,
+        stop: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Future:
+        """Positions [start, stop) of every row, delivered later as [B, Hkv, stop - start, d]
+        each; counted. The medium's sequential read (a layer read in chunks reads its chunks so),
+        where a gather of the same rows would pay for scattered ones. out: as `read_all_async`."""
+        for name, x in (("start", start), ("stop", stop)):
+            if isinstance(x, bool) or not hasattr(x, "__index__"):
+                raise KVInputError(f"{name} must be an integer number of positions, got {_describe(x)}")
+        start, stop = start.__index__(), stop.__index__()
+        if not 0 <= start <= stop <= self.length:
+            raise KVIndexError(f"asked for positions [{start}, {stop}) but the tier holds {self.length}")
+        _check_dtype(dtype)
+        self._check_out(out, stop - start, device, dtype)
+        return self._read_range_async(start, stop, device, dtype, out)
 
     def _check_out(self, out, n: int, device, dtype) -> None:
         if out is None:
@@ -237,15 +251,15 @@ class KVTier(ABC):
     def _gather(self, indices, valid, device, dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _read_all(self, upto, device, dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_range(self, start, stop, device, dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def _gather_async(self, indices, valid, device, dtype, out) -> Future:
         """Synchronous tiers gather now and hand back a finished Future."""
         return done_future(self._gather, indices, valid, device, dtype, out)
 
-    def _read_all_async(self, upto, device, dtype, out) -> Future:
-        return done_future(self._read_all, upto, device, dtype, out)
+    def _read_range_async(self, start, stop, device, dtype, out) -> Future:
+        return done_future(self._read_range, start, stop, device, dtype, out)
 
 
 def _describe(x) -> str:

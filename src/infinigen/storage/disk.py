@@ -27,7 +27,7 @@ Why this layout:
   is at most ``coalesce_gap_blocks`` are merged into one larger read, because reading a small gap
   costs less than issuing another request. The merged runs are read with several requests in
   flight, which is what fast SSDs need to reach their bandwidth.
-* ``read_all`` of a prefix is one sequential read per region.
+* ``read_range`` (a prefix, or a chunk of one) is one sequential read per region.
 
 Appends (write-behind)
 ----------------------
@@ -813,28 +813,31 @@ class DiskTier(KVTier):
             cache.ref[placed[placed >= 0]] = USED
         return nbytes, reads, len(r), m - len(r)
 
-    def _read_prefix(self, upto: int, out=None, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Positions [0, upto) of every region as [B, Hkv, upto, d] (into `out`, or new tensors
-        of the stored dtype on the CPU) and the bytes read from disk: one sequential read per
-        region for its whole blocks; the tail block comes from RAM."""
+    def _read_span(
+        self, start: int, stop: int, out=None, device=None, dtype=None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Positions [start, stop) of every region as [B, Hkv, stop - start, d] (into `out`, or
+        new tensors of the stored dtype on the CPU) and the bytes read from disk: one sequential
+        read per region for the whole blocks the span covers; the tail block comes from RAM."""
         self._check_open()
-        if not 0 <= upto <= self.length:
-            raise IndexError(f"asked for {upto} positions but the tier holds {self.length}")
-        d, rec, blk = self.head_dim, self.record_bytes, self.block_size
-        if upto == 0:
+        if not 0 <= start <= stop <= self.length:
+            raise IndexError(f"asked for positions [{start}, {stop}) but the tier holds {self.length}")
+        d, rec, blk, n = self.head_dim, self.record_bytes, self.block_size, stop - start
+        if n == 0:
             empty = torch.empty(self.batch, self.kv_heads, 0, d, dtype=self.dtype)
             return (*copy_prefix(empty, empty, device or "cpu", dtype or self.dtype, out), 0)
-        span = _round_up(upto * rec, blk)
-        tail = self._tail_start()
-        on_disk = min(span, tail)  # whole blocks on disk; [tail, span) is the RAM tail
+        lo, hi = start * rec // blk * blk, _round_up(stop * rec, blk)  # the blocks the span touches
+        span, tail = hi - lo, self._tail_start()
+        on_disk = max(min(hi, tail) - lo, 0)  # whole blocks on disk; the rest is the RAM tail
         if out is not None:
-            k, v = prefix_views(out, upto)
+            k, v = prefix_views(out, n)
         else:
-            shape = (self.batch, self.kv_heads, upto, d)
+            shape = (self.batch, self.kv_heads, n, d)
             k = torch.empty(shape, dtype=dtype or self.dtype, device=device or "cpu")
             v = torch.empty_like(k)
-        flat_k, flat_v = k.view(self.regions, upto, d), v.view(self.regions, upto, d)  # views: written through
+        flat_k, flat_v = k.view(self.regions, n, d), v.view(self.regions, n, d)  # views: written through
         width = 2 * d * torch.empty((), dtype=self.dtype).element_size()
+        first = start * rec - lo  # the span's first record within the blocks read
         group = max(READ_CHUNK // span, 1)  # regions per read: the buffer stays about READ_CHUNK
         for r0 in range(0, self.regions, group):
             r1 = min(r0 + group, self.regions)
@@ -843,36 +846,40 @@ class DiskTier(KVTier):
             if on_disk:
                 self._drop_cache()
                 reads = [
-                    (view[(r - r0) * span : (r - r0) * span + on_disk], r * self.region_bytes) for r in range(r0, r1)
+                    (view[(r - r0) * span : (r - r0) * span + on_disk], r * self.region_bytes + lo)
+                    for r in range(r0, r1)
                 ]
                 self._read_many(reads)
             raw = torch.frombuffer(buf, dtype=torch.uint8, count=span * (r1 - r0)).view(r1 - r0, span)
             if span > on_disk:
-                raw[:, on_disk:span] = self._tails[r0:r1, : span - on_disk]
-            recs = raw[:, : upto * rec].reshape(r1 - r0, upto, rec)[..., :width].view(self.dtype)
+                raw[:, on_disk:span] = self._tails[r0:r1, lo + on_disk - tail : hi - tail]
+            recs = raw[:, first : first + n * rec].reshape(r1 - r0, n, rec)[..., :width].view(self.dtype)
             flat_k[r0:r1].copy_(recs[..., :d])
             flat_v[r0:r1].copy_(recs[..., d:])
         return k, v, on_disk * self.regions
 
-    def _read_all(self, upto, device, dtype, out=None):
+    def _read_range(self, start, stop, device, dtype, out=None):
         t0 = time.perf_counter()
-        k, v, nbytes = self._read_prefix(upto, out, device, dtype)
-        tail_rows = max(upto - self._tail_start() // self.record_bytes, 0)
+        k, v, nbytes = self._read_span(start, stop, out, device, dtype)
+        tail_pos = self._tail_start() // self.record_bytes
+        tail_rows = max(stop - max(start, tail_pos), 0)
         reads = self.regions if nbytes else 0
+        rows = stop - start
         self._count(
-            nbytes, self.regions * (upto - tail_rows), self.regions * tail_rows, time.perf_counter() - t0, reads
+            nbytes, self.regions * (rows - tail_rows), self.regions * tail_rows, time.perf_counter() - t0, reads
         )
         return k, v
 
-    def _read_all_async(self, upto, device, dtype, out=None) -> Future:
-        """One sequential read per region on the control thread: full fetch issues it one layer ahead."""
+    def _read_range_async(self, start, stop, device, dtype, out=None) -> Future:
+        """One sequential read per region on the control thread: full fetch issues it one layer
+        ahead, a layer read in chunks one chunk ahead."""
         self._check_open()
         self._raise_write_errors(wait=False)
-        return self.threads.control.submit(self._read_all, upto, device, dtype, out)
+        return self.threads.control.submit(self._read_range, start, stop, device, dtype, out)
 
     def peek_all(self):
         self.flush()
-        k, v, _ = self.threads.control.submit(self._read_prefix, self.length).result()  # where the buffer is used
+        k, v, _ = self.threads.control.submit(self._read_span, 0, self.length).result()  # where the buffer is used
         return k, v
 
     # ------------------------------------------------------------------ reporting / lifetime

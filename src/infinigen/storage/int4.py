@@ -153,14 +153,15 @@ class Int4RamTier(KVTier):
         self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
         return k, v
 
-    def _read_all(self, upto, device, dtype, out=None):
-        start = time.perf_counter()
-        k = dequantize_int4(self._kq[:, :, :upto], self._ks[:, :, :upto], self._kz[:, :, :upto], dtype).to(device)
-        v = dequantize_int4(self._vq[:, :, :upto], self._vs[:, :, :upto], self._vz[:, :, :upto], dtype).to(device)
+    def _read_range(self, start, stop, device, dtype, out=None):
+        t0 = time.perf_counter()
+        span = slice(start, stop)
+        k = dequantize_int4(self._kq[:, :, span], self._ks[:, :, span], self._kz[:, :, span], dtype).to(device)
+        v = dequantize_int4(self._vq[:, :, span], self._vs[:, :, span], self._vz[:, :, span], dtype).to(device)
         if out is not None:
             k, v = copy_prefix(k, v, device, dtype, out)
-        rows = self.batch * self.kv_heads * upto
-        self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
+        rows = self.batch * self.kv_heads * (stop - start)
+        self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - t0)
         return k, v
 
     def peek_all(self):

@@ -145,19 +145,20 @@ class PinnedTier(KVTier):
         self.stats.add(m * self.row_bytes, m, time.perf_counter() - start)
         return EngineTransfer(self.engine, marker, (k_out, v_out))
 
-    def _read_all_async(self, upto, device, dtype, out=None) -> EngineTransfer:
-        start = time.perf_counter()
+    def _read_range_async(self, start, stop, device, dtype, out=None) -> EngineTransfer:
+        t0 = time.perf_counter()
         self._host_ready()
-        src_k, src_v = self._k[:, :, :upto], self._v[:, :, :upto]
+        n = stop - start
+        src_k, src_v = self._k[:, :, start:stop], self._v[:, :, start:stop]
         if out is None:
-            shape = (self.batch, self.kv_heads, upto, self.head_dim)
+            shape = (self.batch, self.kv_heads, n, self.head_dim)
             out = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-        k, v = prefix_views(out, upto)
+        k, v = prefix_views(out, n)
 
         def land() -> None:
-            # One asynchronous copy per (batch row, KV head): each region's first `upto` rows are
+            # One asynchronous copy per (batch row, KV head): each region's rows [start, stop) are
             # contiguous in host memory, in the storage dtype; converted on the device after.
-            shape = (self.batch, self.kv_heads, upto, self.head_dim)
+            shape = (self.batch, self.kv_heads, n, self.head_dim)
             for dst, src in ((k, src_k), (v, src_v)):
                 landing = torch.empty(shape, dtype=self.dtype, device=device)
                 for b in range(self.batch):
@@ -166,8 +167,8 @@ class PinnedTier(KVTier):
                 dst.copy_(landing)
 
         marker = self.engine.copy(land, keepalive=(out[0], out[1]))
-        rows = self.batch * self.kv_heads * upto
-        self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - start)
+        rows = self.batch * self.kv_heads * n
+        self.stats.add(rows * self.row_bytes, rows, time.perf_counter() - t0)
         return EngineTransfer(self.engine, marker, (k, v))
 
     def peek_all(self):

@@ -356,7 +356,7 @@ class PooledTier(RamTier):
         self.pool.record_fetch(idx, ok, self._clock)
         return super()._gather(self.pool.slots_of(idx, ok), ok, device, dtype, out)  # raises for an evicted position
 
-    def _read_all(self, upto, device, dtype, out=None):
+    def _read_range(self, start, stop, device, dtype, out=None):
         raise RuntimeError("a capped host pool cannot return every position (some were evicted)")
 
     def peek_all(self):
