@@ -132,6 +132,25 @@ def test_kernel_ties_at_the_cut_never_crowd_out_a_higher_score(agg):
     assert counts.tolist() == [[4]] and idx[0, 0].tolist() == [0, 1, 2, 11]
 
 
+@pytest.mark.parametrize("budget", [1 / 9, 0.5, 8 / 9])
+def test_kernel_cut_is_exact_over_signs_zeros_and_extremes(budget):
+    """The cut is the count-th largest score by float order: negative and positive, both zeros,
+    subnormals, the largest floats and -inf all rank as the tensor path ranks them."""
+    tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    values = [0.0, -0.0, 1e-45, -1e-45, tiny, -tiny, big, -big, -math.inf, 3.5, -3.5, 0.0, -0.0, 2.0, 2.0, -7.25]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        row = torch.tensor(values)[torch.randperm(len(values), generator=gen)]
+        keys = row.reshape(1, 1, 1, -1).contiguous()
+        query = torch.ones(1, 1, 1)
+        t = row.numel()
+        valid = torch.ones(1, 1, t, dtype=torch.bool)
+        ref, _ = _reference(keys, query, valid, t, "max", math.inf, budget, None, 1)
+        idx, counts = kernels.select(keys, t, query, None, "max", math.inf, budget, None, 1)
+        assert torch.equal(counts, ref.counts)
+        assert torch.equal(idx, ref.indices)
+
+
 def test_kernel_refuses_a_group_wider_than_it_takes():
     """More query heads per KV head than the kernel's MAX_GROUP: a clear error, never garbage
     (the selector sends such models to the tensor path)."""

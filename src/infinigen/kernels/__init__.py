@@ -39,7 +39,10 @@ CODE_FORMATS = {torch.int8: 3, torch.uint8: 4}
 MAX_GROUP = 16  # query heads per KV head the kernels take (select.c's MAX_GROUP)
 # -fno-trapping-math lets the compiler turn the kernels' float selects into vector blends (the
 # results are IEEE-identical; only floating-point exception flags could differ, and none are read).
-_FLAG_SETS = (["-O3", "-march=native", "-fno-trapping-math"], ["-O3", "-fno-trapping-math"])
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-fno-trapping-math", "-fno-strict-aliasing"],
+    ["-O3", "-fno-trapping-math", "-fno-strict-aliasing"],
+)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -69,24 +69,48 @@ static inline float log_f(float x) {
     return m + y + 0.693359375f * e;
 }
 
-static void swapf(float *a, float *b) { float t = *a; *a = *b; *b = t; }
+/* Floats as unsigned keys in the same order (-inf lowest; -0 just below +0, which compare equal
+   as floats, so either is a correct cut); NaN never reaches here (the scores map it to -inf). */
+static inline uint32_t order_key(float f) {
+    union { float f; uint32_t i; } u = {.f = f};
+    return u.i & 0x80000000u ? ~u.i : u.i | 0x80000000u;
+}
 
-/* The k-th largest (0-based) of x[0..n), n > k; reorders x. */
-static float kth_largest(float *x, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi) {
-        float pivot = x[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (x[i] > pivot) i++;
-            while (x[j] < pivot) j--;
-            if (i <= j) { swapf(&x[i], &x[j]); i++; j--; }
+static inline float key_float(uint32_t k) {
+    union { float f; uint32_t i; } u = {.i = k & 0x80000000u ? k & 0x7fffffffu : ~k};
+    return u.f;
+}
+
+/* The k-th largest (0-based) of the n keys in keys[] (n > k), which it overwrites: a radix
+   select, 11 + 11 + 10 bits, each pass a histogram and a compaction of the keys left in the
+   chosen bucket. Branch-free passes; a quickselect's data-dependent branches cost three times as
+   much on a row of thousands of positions. */
+static float kth_largest_key(uint32_t *keys, int64_t n, int64_t k) {
+    static const int shift[3] = {21, 10, 0};
+    uint32_t hist[2048];
+    uint32_t prefix = 0;
+    for (int p = 0; p < 3; p++) {
+        const int sh = shift[p];
+        const uint32_t nb = p < 2 ? 2048u : 1024u;
+        for (uint32_t b = 0; b < nb; b++) hist[b] = 0;
+        for (int64_t i = 0; i < n; i++) hist[(keys[i] >> sh) & (nb - 1)]++;
+        int64_t seen = 0;
+        uint32_t b = nb;
+        while (b-- > 0) {
+            if (seen + hist[b] > k) break;
+            seen += hist[b];
         }
-        if (k <= j) hi = j;
-        else if (k >= i) lo = i;
-        else return x[k];
+        k -= seen;
+        int64_t w = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t v = keys[i];
+            keys[w] = v;
+            w += ((v >> sh) & (nb - 1)) == b;
+        }
+        n = w;
+        prefix |= b << sh;
     }
-    return x[k];
+    return key_float(prefix);
 }
 
 /* The largest of x[0..n) (-inf when n == 0), by lanes so that it vectorizes. */
@@ -129,36 +153,40 @@ static inline float widen_f16(uint16_t h) {
     return out.f;
 }
 
-/* scores[g][i] = acc[g][i] * s[i] for a tile of n positions (rows of scores are T apart). */
-static void write_scaled(float acc[MAX_GROUP][TILE], const uint16_t *s, int64_t G, int64_t n, float *scores,
-                         int64_t T) {
-    float st[TILE];
-    for (int64_t i = 0; i < n; i++) st[i] = widen_f16(s[i]);
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t i = 0; i < n; i++) scores[g * T + i] = acc[g][i] * st[i];
-}
-
-/* scores[g][t] = sum_c q[g][c] * k[c][t]: every key tile is read once for the whole group. */
+/* scores[g][t] = sum_c q[g][c] * k[c][t], one tile of positions at a time. The accumulator of one
+ * query head stays in registers across the channels (the key tile, a few KiB, is re-read from L1
+ * for each head of the group): keeping all heads' accumulators in memory instead made every
+ * multiply-add a load and a store, several times slower. Sums run over c ascending either way. */
 #define SCORE_ROW(NAME, KEY_T, WIDEN, SCALED)                                                       \
     static void NAME(const KEY_T *k, int64_t ld, const uint16_t *s, const float *q, int64_t G,      \
                      int64_t C, int64_t T, float *scores) {                                         \
         for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                                  \
             const int64_t n = T - t0 < TILE ? T - t0 : TILE;                                        \
-            float acc[MAX_GROUP][TILE];                                                             \
-            for (int64_t g = 0; g < G; g++)                                                         \
-                for (int64_t i = 0; i < TILE; i++) acc[g][i] = 0.0f;                                \
-            for (int64_t c = 0; c < C; c++) {                                                       \
-                float kt[TILE];                                                                     \
-                const KEY_T *kc = k + c * ld + t0;                                                  \
-                for (int64_t i = 0; i < n; i++) kt[i] = WIDEN(kc[i]);                               \
-                for (int64_t i = n; i < TILE; i++) kt[i] = 0.0f;                                    \
-                for (int64_t g = 0; g < G; g++) {                                                   \
-                    const float qc = q[g * C + c];                                                  \
-                    for (int64_t i = 0; i < TILE; i++) acc[g][i] += qc * kt[i];                     \
-                }                                                                                   \
+            float st[TILE];                                                                         \
+            if (SCALED) {                                                                           \
+                for (int64_t i = 0; i < n; i++) st[i] = widen_f16(s[t0 + i]);                       \
+                for (int64_t i = n; i < TILE; i++) st[i] = 0.0f;                                    \
             }                                                                                       \
-            if (SCALED) write_scaled(acc, s + t0, G, n, scores + t0, T);                            \
-            else for (int64_t g = 0; g < G; g++) memcpy(scores + g * T + t0, acc[g], (size_t)n * sizeof(float)); \
+            for (int64_t g = 0; g < G; g++) {                                                       \
+                float acc[TILE];                                                                    \
+                for (int64_t i = 0; i < TILE; i++) acc[i] = 0.0f;                                   \
+                if (n == TILE) {                                                                    \
+                    for (int64_t c = 0; c < C; c++) {                                               \
+                        const KEY_T *kc = k + c * ld + t0;                                          \
+                        const float qc = q[g * C + c];                                              \
+                        for (int64_t i = 0; i < TILE; i++) acc[i] += qc * WIDEN(kc[i]);             \
+                    }                                                                               \
+                } else {                                                                            \
+                    for (int64_t c = 0; c < C; c++) {                                               \
+                        const KEY_T *kc = k + c * ld + t0;                                          \
+                        const float qc = q[g * C + c];                                              \
+                        for (int64_t i = 0; i < n; i++) acc[i] += qc * WIDEN(kc[i]);                \
+                    }                                                                               \
+                }                                                                                   \
+                float *out = scores + g * T + t0;                                                   \
+                if (SCALED) for (int64_t i = 0; i < n; i++) out[i] = acc[i] * st[i];                \
+                else memcpy(out, acc, (size_t)n * sizeof(float));                                   \
+            }                                                                                       \
         }                                                                                           \
     }
 
@@ -178,23 +206,24 @@ static void score_row_i4(const uint8_t *k, int64_t ld, const uint16_t *s, const 
                          int64_t T, float *scores) {
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
         const int64_t n = T - t0 < TILE ? T - t0 : TILE;
-        float acc[MAX_GROUP][TILE];
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t i = 0; i < TILE; i++) acc[g][i] = 0.0f;
-        for (int64_t j = 0; j < C / 2; j++) {
-            float lo[TILE], hi[TILE];
-            const uint8_t *kc = k + j * ld + t0;
-            for (int64_t i = 0; i < n; i++) {
-                lo[i] = (float)((int)(kc[i] & 15) - 8);
-                hi[i] = (float)((int)(kc[i] >> 4) - 8);
-            }
-            for (int64_t i = n; i < TILE; i++) lo[i] = hi[i] = 0.0f;
-            for (int64_t g = 0; g < G; g++) {
+        float st[TILE];
+        for (int64_t i = 0; i < n; i++) st[i] = widen_f16(s[t0 + i]);
+        for (int64_t g = 0; g < G; g++) {
+            float acc[TILE];
+            for (int64_t i = 0; i < TILE; i++) acc[i] = 0.0f;
+            for (int64_t j = 0; j < C / 2; j++) {
+                const uint8_t *kc = k + j * ld + t0;
                 const float q0 = q[g * C + 2 * j], q1 = q[g * C + 2 * j + 1];
-                for (int64_t i = 0; i < TILE; i++) acc[g][i] += q0 * lo[i] + q1 * hi[i];
+                if (n == TILE) {
+                    for (int64_t i = 0; i < TILE; i++)
+                        acc[i] += q0 * (float)((int)(kc[i] & 15) - 8) + q1 * (float)((int)(kc[i] >> 4) - 8);
+                } else {
+                    for (int64_t i = 0; i < n; i++)
+                        acc[i] += q0 * (float)((int)(kc[i] & 15) - 8) + q1 * (float)((int)(kc[i] >> 4) - 8);
+                }
             }
+            for (int64_t i = 0; i < n; i++) scores[g * T + t0 + i] = acc[i] * st[i];
         }
-        write_scaled(acc, s + t0, G, n, scores + t0, T);
     }
 }
 
@@ -292,11 +321,21 @@ static inline int open_at(const uint8_t *vr, const uint8_t *ex, int64_t t) {
     return (!vr || vr[t]) && !(ex && ex[t]);
 }
 
-/* The count-th largest z over the open positions (count >= 1, at most how many are open). */
+/* The count-th largest z over the open positions (count >= 1, at most how many are open); tmp:
+   [T] scratch, used as keys. */
 static float cut_at(const float *z, const uint8_t *vr, const uint8_t *ex, int64_t T, int64_t count, float *tmp) {
+    uint32_t *keys = (uint32_t *)tmp;
     int64_t n = 0;
-    for (int64_t t = 0; t < T; t++) if (open_at(vr, ex, t)) tmp[n++] = z[t];
-    return kth_largest(tmp, n, count - 1);
+    if (!vr && !ex) {
+        for (int64_t t = 0; t < T; t++) keys[t] = order_key(z[t]);
+        n = T;
+    } else {
+        for (int64_t t = 0; t < T; t++) {
+            keys[n] = order_key(z[t]);
+            n += open_at(vr, ex, t);
+        }
+    }
+    return kth_largest_key(keys, n, count - 1);
 }
 
 /* Writes ascending the open positions above `cut`, and exact ties at the cut earliest first, up
