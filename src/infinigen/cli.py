@@ -39,6 +39,8 @@ exit status: 0 done, 2 bad input (flags, settings, files, prompts, models), 1 re
 (disk, I/O) or a bug, 130/143 interrupted"""
 DEMO_PROMPT = "areopagitica_opening.txt"
 DEMO_PROMPT_TOKENS = 8000  # near SmolLM2's 8192 positions: the long context the method is for
+DEMO_BATCH = 8  # rows: where reading the KV, not the weights, dominates a step (docs/results.md)
+DEMO_NEW_TOKENS = 32  # with a batch of 8, a few minutes for the three policies on two cores
 # Settings `infinigen eval` sets itself for every run; `--set` may override any other.
 EVAL_FIXED = ("policy", "alpha", "budget")
 SUITES = ("ppl", "passkey", "needle", "sensitivity", "variants", "ruler")
@@ -142,9 +144,12 @@ def _skew_command_for(args: argparse.Namespace, config):
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Dense attention with the KV in RAM, full-fetch offloading and InfiniGen from the slow
-    tier (disk by default), on the same prompt, greedy: speed, bytes read, and the text."""
-    from infinigen.generation import run_generation
+    tier (disk by default), on the same prompt repeated over a batch, greedy: speed, bytes read,
+    what each keeps with the compute, and the text. The prompt is prefilled once by the plain
+    model and replayed into each policy's cache: all three prefill with dense attention."""
+    from infinigen.generation import check_context, run_generation
     from infinigen.loading import load_model
+    from infinigen.prefill import dense_prefix
 
     config = from_arguments(args, DISK_DEFAULTS, policy="infinigen")
     model, tok = load_model(args.model, progress=not args.quiet)
@@ -152,14 +157,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
         prompt, source = demo_prompt_of(tok, args.prompt_tokens), "Milton, Areopagitica (1644)"
     else:
         prompt, source = _read_prompt(args), "the given prompt"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] < 1:
+        raise InputError("the prompt is empty: the tokenizer made no tokens of it")
+    check_context(model, int(ids.shape[1]), args.max_new_tokens)
+    prefix = dense_prefix(model, ids, progress=not args.quiet)
     runs = {}
     for policy, _ in DEMO_ROWS:
         cfg = config.replace(policy=policy, host_capacity=None) if policy != "infinigen" else config
         if policy == "dense":  # the fastest dense: its KV kept as computed (no widening per step)
             cfg = cfg.replace(kv_dtype=None)
-        runs[policy] = run_generation(model, tok, [prompt], cfg, args.max_new_tokens, progress=not args.quiet)
+        runs[policy] = run_generation(
+            model, tok, [prompt] * args.batch, cfg, args.max_new_tokens, progress=not args.quiet, prefix=prefix
+        )
     dense, full, ig = runs["dense"], runs["full"], runs["infinigen"]
-    print(f"\nprompt: {dense.prompt_tokens} tokens of {source}; {dense.new_tokens} new tokens, greedy\n")
+    print(
+        f"\nprompt: {dense.prompt_tokens} tokens of {source}, {args.batch} rows (the prompt repeated: each row's KV "
+        f"is stored, read and attended on its own); prefilled once by the plain model in {prefix.seconds:.1f} s and "
+        f"replayed into each policy's cache; {dense.new_tokens} new tokens, greedy\n"
+    )
     print(f"infinigen's continuation:\n{ig.text[0]}\n")
     head = (
         f"{'':>10} {'where the KV lives':>26} {'tokens/s':>9} {'x dense':>8} {'x full':>7} {'MiB from tier/token':>19} "
@@ -169,7 +185,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("-" * len(head))
     for policy, where in DEMO_ROWS:
         r = runs[policy]
-        same = _same_prefix(r.token_ids[0], dense.token_ids[0])
+        same = min(_same_prefix(a, b) for a, b in zip(r.token_ids, dense.token_ids))  # the least over rows
         tokens = max(r.summary["decode_steps"], 1)
         read = (r.summary["bytes_fetched"] - r.summary["bytes_cached"]) / tokens / 2**20
         if policy != "dense":
@@ -188,7 +204,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{config.dense_layers} layers keep their KV with the compute; "
         f"{format_bytes(ig.summary['bytes_cached'] / max(ig.summary['decode_steps'], 1))}/token came from RAM in front "
         "of the disk: unwritten tail blocks and the block cache, if any). Measured on "
-        "this machine: decode tokens/s over the generated tokens, prefill excluded. KV kept with compute: every "
+        "this machine: decode tokens/s over the generated tokens of every row, prefill excluded. KV kept with compute: every "
         f"KV-related byte held next to the compute at the end (weights apart), as a share of dense's KV in "
         f"{config.kv_dtype or 'the compute dtype'}; infinigen's {memory_line(ig.summary['memory'])}. The full "
         "matrix: `infinigen bench decode`."
@@ -416,10 +432,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def _add_prompt_args(p: argparse.ArgumentParser, default_prompt: str) -> None:
+def _add_prompt_args(p: argparse.ArgumentParser, default_prompt: str, new_tokens: int = 64) -> None:
     p.add_argument("--prompt", default=None, help=f"the prompt text (default: {default_prompt})")
     p.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from this UTF-8 text file")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default: 64)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=new_tokens,
+        metavar="N",
+        help=f"tokens to generate (default: {new_tokens})",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
@@ -455,10 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="dense (RAM), full fetch and InfiniGen (disk) side by side on a long prompt")
     _add_model_args(d)
-    _add_prompt_args(d, "--prompt-tokens tokens of Milton's Areopagitica")
+    _add_prompt_args(d, "--prompt-tokens tokens of Milton's Areopagitica", DEMO_NEW_TOKENS)
     d.add_argument(
         "--prompt-tokens", type=int, default=DEMO_PROMPT_TOKENS, help="length of the shipped prompt (tokens)"
     )
+    d.add_argument("--batch", type=int, default=DEMO_BATCH, help=f"rows, the prompt repeated (default: {DEMO_BATCH})")
     add_arguments(d, DISK_DEFAULTS, skip=("policy",))
     _debug_flag(d)
     d.set_defaults(func=cmd_demo)

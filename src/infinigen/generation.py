@@ -16,7 +16,7 @@ from infinigen.calibration import attach
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InputError
 from infinigen.models import get_adapter
-from infinigen.prefill import PREFILL_CHUNK, chunked_prefill
+from infinigen.prefill import PREFILL_CHUNK, Prefix, chunked_prefill
 
 
 class _StepClock(StoppingCriteria):
@@ -76,6 +76,27 @@ class RunResult:
         }
 
 
+def _check_prefix(prefix: Prefix, enc, cache) -> None:
+    """Refuse, in one sentence, a prefix that is not every row's prompt, or a policy whose
+    prefill is more than dense attention."""
+    ids = enc.input_ids
+    same = (
+        prefix.ids is not None
+        and prefix.length == ids.shape[1]
+        and bool(enc.attention_mask.all())
+        and bool((ids == prefix.ids.to(ids.device)).all())
+    )
+    if not same:
+        raise InputError(
+            f"the prefix was computed from other tokens than these prompts: it replays the {prefix.length} tokens "
+            "it was computed from, as every row's prompt"
+        )
+    if cache.selector is not None and cache.selector.watches_prefill:
+        raise InputError(
+            f"policy {cache.selector.name} reads the prefill's attention: it must run its own prefill, not a replay"
+        )
+
+
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
     limit = get_adapter(model).max_positions
     if prompt_tokens + max_new_tokens > limit:
@@ -94,9 +115,15 @@ def run_generation(
     max_new_tokens: int = 64,
     progress: bool = True,
     skew=None,
+    prefix: Prefix | None = None,
 ) -> RunResult:
     """Greedy generation under `config` (left padding for a batch), inside its own attach
-    session: the model is as it was once this returns, however it returns."""
+    session: the model is as it was once this returns, however it returns.
+
+    prefix: the prompt's KV and its greedy next token, computed once (`prefill.dense_prefix`) for
+    prompts that are all that one prompt; replayed into the cache instead of a prefill (whose
+    dense attention would compute the same), and the next token is the first new one
+    (`prefill_seconds` is then the replay's). Only for a policy whose prefill attends densely."""
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     prompt_tokens = int(enc.input_ids.shape[1])
@@ -108,18 +135,29 @@ def run_generation(
         # The tiers and their files are released however generation ends (Ctrl-C, SIGTERM included).
         with session.new_cache(max_length=prompt_tokens + max_new_tokens, batch=len(prompts)) as cache:
             start = time.perf_counter()
-            if prompt_tokens > PREFILL_CHUNK and bool(enc.attention_mask.all()):
+            inputs, todo = dict(enc), max_new_tokens
+            if prefix is not None:
+                _check_prefix(prefix, enc, cache)
+                prefix.replay(cache, len(prompts))
+                # The prefill's token is the first new one; generate goes on from it.
+                clock(enc.input_ids, None)
+                first = prefix.next_token.to(enc.input_ids.device).expand(len(prompts))[:, None]
+                ids = torch.cat([enc.input_ids, first], dim=1)
+                inputs, todo = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, max_new_tokens - 1
+            elif prompt_tokens > PREFILL_CHUNK and bool(enc.attention_mask.all()):
                 # A long prompt (no padding) is prefilled in chunks; generate goes on from the cache.
                 chunked_prefill(model, enc.input_ids[:, :-1], cache, logits_to_keep=1, progress=progress)
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                past_key_values=cache,
-                stopping_criteria=StoppingCriteriaList([clock]),
-                pad_token_id=tokenizer.pad_token_id,
-            )
+            out = inputs["input_ids"]
+            if todo > 0:
+                out = model.generate(
+                    **inputs,
+                    max_new_tokens=todo,
+                    min_new_tokens=todo,
+                    do_sample=False,
+                    past_key_values=cache,
+                    stopping_criteria=StoppingCriteriaList([clock]),
+                    pad_token_id=tokenizer.pad_token_id,
+                )
             summary = cache.summary()
     new = out[:, prompt_tokens:]
     first = clock.times[0] if clock.times else time.perf_counter()

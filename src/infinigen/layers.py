@@ -158,10 +158,17 @@ class ComputeLayer(SessionLayer):
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         if self._k.dtype == key_states.dtype:
             return self.keys, self.values
-        # the past as stored, widened; the new positions as computed (as an offloaded layer attends)
-        k = torch.cat([self._k[:, :, :past].to(key_states.dtype), key_states], 2)
-        v = torch.cat([self._v[:, :, :past].to(value_states.dtype), value_states], 2)
-        return k, v
+        # the past as stored, widened; the new positions as computed (as an offloaded layer attends),
+        # each written once into the step's tensors (a widened copy then a concatenation moved
+        # the past twice: a seventh of a batch-8 step at 8K went to it)
+        return self._widened(self._k, key_states, past), self._widened(self._v, value_states, past)
+
+    @staticmethod
+    def _widened(stored: torch.Tensor, new: torch.Tensor, past: int) -> torch.Tensor:
+        out = new.new_empty(*new.shape[:2], past + new.shape[2], new.shape[3])
+        out[:, :, :past].copy_(stored[:, :, :past])
+        out[:, :, past:] = new
+        return out
 
     def held_bytes(self) -> int:
         """Its preallocated buffers (room to grow included)."""

@@ -7,6 +7,8 @@ keeps what earlier chunks computed the result is the same prefill."""
 from __future__ import annotations
 
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -29,3 +31,62 @@ def chunked_prefill(model, ids: torch.Tensor, cache, chunk: int = PREFILL_CHUNK,
             out = model(input_ids=ids[:, start : start + chunk], past_key_values=cache, use_cache=True, **kwargs)
             bar.update(min(chunk, total - start))
     return out
+
+
+@dataclass
+class Prefix:
+    """A prompt's KV computed once by the plain model, to replay into other caches.
+
+    Every policy whose prefill attends densely (its selector does not watch the prefill's
+    attention, `Selector.watches_prefill`) computes this KV from the same prompt (a later prefill
+    chunk attends to the earlier ones as stored, so up to the storage dtype's rounding there), so
+    one prefill can stand in for each of theirs: a side-by-side run of several policies, or a batch
+    of one prompt repeated, pays for it once. layers: per layer (keys, values) [1, Hkv, n, d] as
+    computed (a sliding-window layer's: its window); next_token: the greedy token after it; ids:
+    the tokens [1, n] it was computed from (None when they were not kept); seconds: its prefill."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    length: int
+    next_token: torch.Tensor
+    seconds: float
+    ids: torch.Tensor | None = None
+
+    def replay(self, cache, batch: int = 1) -> None:
+        """Store the prefix into `cache` (empty) for `batch` identical rows, layer by layer, as a
+        prefill would store it."""
+        if cache.get_seq_length() != 0:
+            raise ValueError("a prefix is replayed into an empty cache only")
+        for i, (k, v) in enumerate(self.layers):
+            k = whole_context(k, self.length).expand(batch, -1, -1, -1).contiguous()
+            v = whole_context(v, self.length).expand(batch, -1, -1, -1).contiguous()
+            cache.update(k, v, i)
+            del k, v
+
+
+@torch.no_grad()
+def dense_prefix(model, ids: torch.Tensor, progress: bool = False) -> Prefix:
+    """Prefill `ids` [1, T] with the plain model in chunks (transformers' own cache) and keep
+    every layer's KV as computed."""
+    from transformers import DynamicCache
+
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+        raise ValueError(f"a prefix is one row of at least one token, got ids of shape {tuple(ids.shape)}")
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    out = chunked_prefill(model, ids, cache, logits_to_keep=1, progress=progress)
+    seconds = time.perf_counter() - start
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    return Prefix(layers, int(ids.shape[1]), out.logits[:, -1].argmax(-1), seconds, ids.clone())
+
+
+def whole_context(saved: torch.Tensor, context: int) -> torch.Tensor:
+    """A layer's KV [B, Hkv, n, d] in fp32, as `context` positions: a sliding-window layer kept
+    only its window, placed at the end (the positions before it are outside every later window,
+    and zero)."""
+    saved = saved.to(torch.float32)
+    n = saved.shape[2]
+    if n == context:
+        return saved
+    whole = saved.new_zeros(*saved.shape[:2], context, saved.shape[3])
+    whole[:, :, context - n :] = saved
+    return whole

@@ -39,16 +39,14 @@ def save_prefill(model, ids: torch.Tensor, path: Path, kv_dtype: torch.dtype) ->
     """Prefill `ids` [1, T] with the plain model (in chunks); save every layer's KV (a
     sliding-window layer's: its window), the context and the next token."""
     from safetensors.torch import save_file
-    from transformers import DynamicCache
 
-    from infinigen.prefill import chunked_prefill
+    from infinigen.prefill import dense_prefix
 
-    cache = DynamicCache(config=model.config)
-    out = chunked_prefill(model, ids, cache, logits_to_keep=1)
-    tensors = {"next_token": out.logits[:, -1].argmax(-1), "context": torch.tensor(ids.shape[1])}
-    for i, layer in enumerate(cache.layers):
-        tensors[f"layer.{i}.k"] = layer.keys.to(kv_dtype).contiguous()
-        tensors[f"layer.{i}.v"] = layer.values.to(kv_dtype).contiguous()
+    prefix = dense_prefix(model, ids)
+    tensors = {"next_token": prefix.next_token, "context": torch.tensor(prefix.length)}
+    for i, (k, v) in enumerate(prefix.layers):
+        tensors[f"layer.{i}.k"] = k.to(kv_dtype).contiguous()
+        tensors[f"layer.{i}.v"] = v.to(kv_dtype).contiguous()
     save_file(tensors, str(path))
 
 
@@ -106,6 +104,9 @@ class _HFDense:
     def update(self, k, v, i) -> None:
         self.cache.update(k, v, i)
 
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
     def summary(self) -> dict:
         held = sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values) if t is not None)
         return {"memory": {"compute_kv_bytes": held, "compute_parts": {"dense_layers": held}, "tier_kv_bytes": 0},
@@ -122,6 +123,7 @@ def run_child(args: argparse.Namespace) -> dict:
     from infinigen.calibration import attach
     from infinigen.loading import load_model
     from infinigen.models import get_adapter
+    from infinigen.prefill import Prefix
 
     cfg = InfiniGenConfig.from_dict(json.loads(args.config_json))
     if args.row == HF_DENSE and cfg.compute_threads:
@@ -146,11 +148,9 @@ def run_child(args: argparse.Namespace) -> dict:
         with safe_open(args.kv_file, framework="pt") as f:
             nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous().to(device)
             # Stream the saved prefill into the cache layer by layer, as a prefill would.
-            for i in range(adapter.num_layers):
-                k = _whole_context(f.get_tensor(f"layer.{i}.k"), context).to(device).expand(b, -1, -1, -1).contiguous()
-                v = _whole_context(f.get_tensor(f"layer.{i}.v"), context).to(device).expand(b, -1, -1, -1).contiguous()
-                cache.update(k, v, i)
-                del k, v
+            layers = [(f.get_tensor(f"layer.{i}.k"), f.get_tensor(f"layer.{i}.v")) for i in range(adapter.num_layers)]
+            Prefix([(k.to(device), v.to(device)) for k, v in layers], context, nxt, 0.0).replay(cache, b)
+            del layers
         past = cache.cache if hf_dense else cache
         # Peak RSS of the decode phase itself: reset the high-water mark after the replay (which
         # maps the saved prefill file) so that only what the policy keeps while decoding counts.
@@ -235,19 +235,6 @@ def _profile_top(profiler: cProfile.Profile, lines: int) -> str:
     return text[start:].rstrip() if start >= 0 else text.rstrip()
 
 
-def _whole_context(saved: torch.Tensor, context: int) -> torch.Tensor:
-    """A layer's saved KV [1, Hkv, n, d] in fp32, as `context` positions: a sliding-window
-    layer saved only its window, placed at the end (the positions before it are outside every
-    later window, and zero)."""
-    saved = saved.to(torch.float32)
-    n = saved.shape[2]
-    if n == context:
-        return saved
-    whole = saved.new_zeros(*saved.shape[:2], context, saved.shape[3])
-    whole[:, :, context - n :] = saved
-    return whole
-
-
 # ---------------------------------------------------------------------- parent
 def _prompt_ids(tok, context: int) -> torch.Tensor:
     from infinigen.skew import calibration_text
@@ -281,11 +268,50 @@ def _fmt_table(rows: list[dict]) -> str:
 
 
 def _plot(rows: list[dict], path: Path) -> bool:
-    """Per batch size, decode tokens/s and the decode phase's peak RSS (model weights included)
-    against the context, one line per policy, with dense's KV size for scale."""
+    """The run as a figure: with one context and several batch sizes, tokens/s and the KV kept
+    with the compute against the batch (`_plot_batches`); otherwise, per batch size, tokens/s
+    and the decode phase's peak RSS against the context (`_plot_contexts`)."""
     plt = pyplot()
     if plt is None:
         return False
+    if len({r["context"] for r in rows}) == 1 and len({r["batch"] for r in rows}) > 1:
+        fig = _plot_batches(plt, rows)
+    else:
+        fig = _plot_contexts(plt, rows)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_batches(plt, rows: list[dict]):
+    """Decode tokens/s and the KV-related bytes kept with the compute against the batch size,
+    one line per policy, with dense's fp16 KV for scale: speed and memory side by side."""
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["batch"], r["tokens_per_s"], r["compute_kv_bytes"]) for r in rows if r["policy"] == policy)
+        xs = [p[0] for p in pts]
+        speed.plot(xs, [p[1] for p in pts], marker="o", label=policy)
+        memory.plot(xs, [p[2] / 2**20 for p in pts], marker="o", label=policy)
+    kv = sorted({(r["batch"], r["dense_kv_bytes"]) for r in rows})
+    memory.plot([b for b, _ in kv], [k / 2**20 for _, k in kv], ls="--", color="gray", label="dense's fp16 KV")
+    speed.set_ylabel("decode tokens/s (all rows)")
+    memory.set_ylabel("KV-related MiB kept with the compute")
+    memory.set_yscale("log")
+    batches = sorted({r["batch"] for r in rows})
+    for ax in (speed, memory):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"decode at {rows[0]['context']} tokens: speed and memory kept with the compute (measured)")
+    return fig
+
+
+def _plot_contexts(plt, rows: list[dict]):
+    """Per batch size, decode tokens/s and the decode phase's peak RSS (model weights included)
+    against the context, one line per policy, with dense's KV size for scale."""
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(len(batches), 2, figsize=(11, 4 * len(batches)), squeeze=False)
     for (speed, memory), b in zip(axes, batches):
@@ -306,10 +332,7 @@ def _plot(rows: list[dict], path: Path) -> bool:
             ax.grid(alpha=0.3)
             ax.legend()
     fig.suptitle("decode speed and memory against context (measured on this machine)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def policy_configs(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, InfiniGenConfig]]:

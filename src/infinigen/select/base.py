@@ -100,6 +100,13 @@ class Selector:
         [B, H] on the current token."""
 
     @property
+    def watches_prefill(self) -> bool:
+        """Whether this selector reads the prefill's attention (overrides `on_prefill`): a prefix
+        computed elsewhere and replayed into its cache (`prefill.Prefix`) cannot stand in for
+        its prefill."""
+        return type(self).on_prefill is not Selector.on_prefill
+
+    @property
     def observes(self) -> bool:
         """Whether this selector looks at the attention weights (overrides `observe`): the
         attention skips computing them for those that do not."""

@@ -1,0 +1,72 @@
+"""A prompt prefilled once and replayed into a cache (`prefill.Prefix`) generates what the
+cache's own prefill does, for every policy whose prefill attends densely; the rest are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import WINDOW, _byte_tokenizer, _variant_config
+from infinigen import InfiniGenConfig
+from infinigen.errors import InputError
+from infinigen.generation import run_generation
+from infinigen.prefill import dense_prefix
+
+
+def _model(family: str, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "gemma3":
+        from transformers import Gemma3ForCausalLM
+
+        cfg = _variant_config("gemma3")
+        cfg.vocab_size = vocab
+        return Gemma3ForCausalLM(cfg).eval()
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+PROMPT = "the quick brown fox jumps over the lazy dog; " * 3  # longer than the sliding window
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("policy", ["dense", "full", "infinigen"])
+def test_a_replayed_prefix_generates_what_the_prefill_does(family, policy):
+    tok = _byte_tokenizer()
+    model = _model(family, len(tok))
+    config = InfiniGenConfig(policy=policy, budget=0.3, calibration_tokens=64)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    assert ids.shape[1] > WINDOW
+    own = run_generation(model, tok, [PROMPT] * 2, config, max_new_tokens=6, progress=False)
+    prefix = dense_prefix(model, ids)
+    assert prefix.length == ids.shape[1]
+    replayed = run_generation(model, tok, [PROMPT] * 2, config, max_new_tokens=6, progress=False, prefix=prefix)
+    assert replayed.token_ids == own.token_ids
+    assert replayed.token_ids[0] == replayed.token_ids[1]
+    for key in ("compute_kv_bytes", "dense_kv_bytes"):
+        assert replayed.summary[key] == own.summary[key]
+    for key in ("prefill_tokens", "decode_steps", "bytes_fetched"):
+        assert replayed.summary[key] == own.summary[key]
+
+
+def test_a_prefix_of_other_tokens_or_for_a_policy_that_watches_the_prefill_is_refused():
+    tok = _byte_tokenizer()
+    model = _model("llama", len(tok))
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    prefix = dense_prefix(model, ids)
+    other = PROMPT.replace("fox", "cat")
+    with pytest.raises(InputError, match="other tokens"):
+        run_generation(model, tok, [other], InfiniGenConfig(policy="full"), max_new_tokens=2, progress=False,
+                       prefix=prefix)  # fmt: skip
+    with pytest.raises(InputError, match="other tokens"):
+        run_generation(model, tok, [PROMPT + "!"], InfiniGenConfig(policy="full"), max_new_tokens=2, progress=False,
+                       prefix=prefix)  # fmt: skip
+    with pytest.raises(InputError, match="h2o reads the prefill's attention"):
+        run_generation(model, tok, [PROMPT], InfiniGenConfig(policy="h2o"), max_new_tokens=2, progress=False,
+                       prefix=prefix)  # fmt: skip
+    with pytest.raises(ValueError, match="one row"):
+        dense_prefix(model, ids.expand(2, -1))
