@@ -19,7 +19,7 @@ def test_the_readme_is_short_and_its_first_screen_has_the_essentials():
         "make test",
         "pip install",
         "```python",
-        "docs/bench/bench_decode.png",
+        "docs/bench/bench_decode_8k_batches.png",
         "| policy |",
     ):
         assert essential in FIRST_SCREEN, essential
