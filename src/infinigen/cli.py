@@ -164,9 +164,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prefix = dense_prefix(model, ids, progress=not args.quiet)
     runs = {}
     for policy, _ in DEMO_ROWS:
-        cfg = config.replace(policy=policy, host_capacity=None) if policy != "infinigen" else config
-        if policy == "dense":  # the fastest dense: its KV kept as computed (no widening per step)
-            cfg = cfg.replace(kv_dtype=None)
+        if policy == "dense":
+            cfg = config.speed_reference()
+        else:
+            cfg = config.replace(policy=policy, host_capacity=None) if policy != "infinigen" else config
         runs[policy] = run_generation(
             model, tok, [prompt] * args.batch, cfg, args.max_new_tokens, progress=not args.quiet, prefix=prefix
         )
@@ -186,7 +187,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for policy, where in DEMO_ROWS:
         r = runs[policy]
         same = min(_same_prefix(a, b) for a, b in zip(r.token_ids, dense.token_ids))  # the least over rows
-        tokens = max(r.summary["decode_steps"], 1)
+        tokens = max(r.summary["decode_steps"], 1) * args.batch
         read = (r.summary["bytes_fetched"] - r.summary["bytes_cached"]) / tokens / 2**20
         if policy != "dense":
             where = f"{config.tier} tier" + (
@@ -202,7 +203,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"\nInfiniGen speculates each layer's attention one layer ahead and reads only the selected rows "
         f"({100 * (ig.summary['fetched_fraction'] or 0):.1f}% of the KV per speculated layer; its first "
         f"{config.dense_layers} layers keep their KV with the compute; "
-        f"{format_bytes(ig.summary['bytes_cached'] / max(ig.summary['decode_steps'], 1))}/token came from RAM in front "
+        f"{format_bytes(ig.summary['bytes_cached'] / max(ig.summary['decode_steps'] * args.batch, 1))}/token came "
+        "from RAM in front "
         "of the disk: unwritten tail blocks and the block cache, if any). Measured on "
         "this machine: decode tokens/s over the generated tokens of every row, prefill excluded. KV kept with compute: every "
         f"KV-related byte held next to the compute at the end (weights apart), as a share of dense's KV in "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from infinigen.bench.decode import _prompt_ids, _run_child, policy_configs, save_prefill
+from infinigen.bench.decode import _prompt_ids, _run_child, policy_configs, run_settings, save_prefill
 from infinigen.budget import MemoryBudgetError, Request, plan
 from infinigen.cli_settings import DISK_DEFAULTS, add_arguments
 from infinigen.config import POLICIES
@@ -78,7 +78,12 @@ def run(args: argparse.Namespace) -> int:
 
     budget = parse_size(args.memory_budget)
     policies = args.policies.split(",")
-    configs = [(p, cfg.replace(compute_memory=str(budget))) for p, cfg in policy_configs(args, policies)]
+    base = run_settings(args)
+    # Within a memory budget dense holds most in the run's storage dtype (16 bits), not as computed.
+    configs = [
+        (p, (cfg.replace(kv_dtype=base.kv_dtype) if p == "dense" else cfg).replace(compute_memory=str(budget)))
+        for p, cfg in policy_configs(args, policies)
+    ]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(args.model, progress=True)
@@ -148,7 +153,7 @@ def _measure(args, model, tok, rows: list[dict]) -> None:
         for r in runnable:
             cfg = InfiniGenConfig.from_dict(r["config"])
             bar.set_postfix_str(f"{r['policy']} B={r['batch']}")
-            m = _run_child(args, kv_file, cfg, r["policy"], r["batch"], bar)
+            m = _run_child(args, kv_file, cfg, r["policy"], r["batch"], bar, run_settings(args).kv_dtype)
             r.update({
                 "tokens_per_s": m["tokens_per_s"], "peak_rss_bytes": m["peak_rss_bytes"],
                 "rss_over_model_bytes": m["rss_over_model_bytes"], "compute_kv_bytes": m["compute_kv_bytes"],

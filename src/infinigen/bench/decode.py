@@ -180,6 +180,8 @@ def run_child(args: argparse.Namespace) -> dict:
     decode = sum(warm)
     steps = len(step_times)
     itemsize = torch.empty((), dtype=cfg.storage_dtype() or torch.float32).element_size()
+    # the run's KV storage dtype: every row's share is of dense's KV in it, dense's own included
+    reference = getattr(torch, args.kv_reference) if args.kv_reference not in (None, "None") else torch.float32
     global_layers = len(adapter.global_layers)  # local (sliding-window) layers hold only their window
     kv_bytes = global_layers * 2 * b * adapter.num_kv_heads * context * adapter.head_dim * itemsize
     local_bytes = sum(
@@ -217,7 +219,7 @@ def run_child(args: argparse.Namespace) -> dict:
         "compute_kv_bytes": s["memory"]["compute_kv_bytes"],
         "compute_parts": s["memory"]["compute_parts"],
         "tier_kv_bytes": s["memory"]["tier_kv_bytes"],
-        "dense_kv_bytes": dense_kv_bytes(adapter, b, context + steps, cfg.storage_dtype() or torch.float32),
+        "dense_kv_bytes": dense_kv_bytes(adapter, b, context + steps, reference),
         "layers_offloaded": 0 if dense else global_layers,
         "tier": "compute" if dense else cfg.tier,
         "config": None if hf_dense else cfg.to_dict(),
@@ -335,6 +337,12 @@ def _plot_contexts(plt, rows: list[dict]):
     return fig
 
 
+def run_settings(args: argparse.Namespace) -> InfiniGenConfig:
+    """The run's settings from the flags (the KV on disk, stored in 16 bits, unless they say
+    otherwise): what every row starts from."""
+    return from_arguments(args, DISK_DEFAULTS, policy="infinigen")
+
+
 def policy_configs(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, InfiniGenConfig]]:
     """(row name, config) per policy from the flags. A policy whose storage format the chosen
     tier cannot hold (int4 keeps its packed KV in host RAM) runs on the RAM tier, and its row
@@ -344,11 +352,14 @@ def policy_configs(args: argparse.Namespace, policies: list[str]) -> list[tuple[
     unknown = [p for p in policies if p not in POLICIES and p not in ROW_NAMES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; available: {', '.join([*POLICIES, *ROW_NAMES])}")
-    base = from_arguments(args, DISK_DEFAULTS, policy="infinigen")  # the KV on disk, stored in 16 bits
+    base = run_settings(args)
     out = []
     for p in policies:
         if p == HF_DENSE:
             out.append((p, base.replace(policy="dense")))
+            continue
+        if p == "dense":  # the fastest dense: its KV as computed, preallocated
+            out.append((p, base.speed_reference()))
             continue
         tier = base.tier
         try:
@@ -359,12 +370,15 @@ def policy_configs(args: argparse.Namespace, policies: list[str]) -> list[tuple[
     return out
 
 
-def _run_child(args: argparse.Namespace, kv_file: Path, cfg: InfiniGenConfig, row: str, batch: int, bar) -> dict:
+def _run_child(
+    args: argparse.Namespace, kv_file: Path, cfg: InfiniGenConfig, row: str, batch: int, bar, reference: str | None
+) -> dict:
     """One (policy, context, batch) run in its own process, so that its peak RSS is its own."""
     cmd = [
         sys.executable, "-m", "infinigen.bench.decode", "--child",
         "--kv-file", str(kv_file), "--config-json", json.dumps(cfg.to_dict()), "--batch", str(batch),
         "--steps", str(args.steps), "--profile", str(args.profile), "--row", row,
+        "--kv-reference", str(reference),
     ]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
@@ -411,7 +425,7 @@ def run_parent(args: argparse.Namespace) -> int:
             with attach(model, cfg, tokenizer=tok) as session:
                 session.selector_for(cfg)
     rows: list[dict] = []
-    base = configs[0][1]
+    base = run_settings(args)
     bar = tqdm(total=len(contexts) * len(batches) * len(configs) * args.repeats, desc="bench decode", unit="run")
     kv_dtype = base.storage_dtype() or torch.float32
     with tempfile.TemporaryDirectory(prefix="infinigen-bench-") as tmp:
@@ -424,7 +438,7 @@ def run_parent(args: argparse.Namespace) -> int:
                 for _ in range(args.repeats):  # rounds interleave the rows: drift hits every row alike
                     for p, cfg in configs:
                         bar.set_postfix_str(f"{p} ctx={c} B={b}")
-                        runs[p].append(_run_child(args, kv_file, cfg, p, b, bar))
+                        runs[p].append(_run_child(args, kv_file, cfg, p, b, bar, base.kv_dtype))
                         bar.update(1)
                 for p, _ in configs:
                     rows.append(_median_run(runs[p]))
@@ -513,6 +527,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--kv-reference", default=None, help=argparse.SUPPRESS)
     return ap
 
 
