@@ -39,7 +39,7 @@ exit status: 0 done, 2 bad input (flags, settings, files, prompts, models), 1 re
 (disk, I/O) or a bug, 130/143 interrupted"""
 DEMO_PROMPT = "areopagitica_opening.txt"
 DEMO_PROMPT_TOKENS = 8000  # near SmolLM2's 8192 positions: the long context the method is for
-DEMO_BATCH = 8  # rows: where reading the KV, not the weights, dominates a step (docs/results.md)
+DEMO_BATCH = 8  # rows: where reading the KV, not the weights, weighs most in a step (docs/results.md)
 DEMO_NEW_TOKENS = 32  # with a batch of 8, a few minutes for the three policies on two cores
 # Settings `infinigen eval` sets itself for every run; `--set` may override any other.
 EVAL_FIXED = ("policy", "alpha", "budget")
