@@ -74,3 +74,28 @@ def test_a_prefix_of_other_tokens_or_for_a_policy_that_watches_the_prefill_is_re
                        prefix=prefix)  # fmt: skip
     with pytest.raises(ValueError, match="one row"):
         dense_prefix(model, ids.expand(2, -1))
+
+
+def test_the_demo_decodes_a_batch_from_one_prefill_and_reports_on_one_scale(tiny_model_dir, capsys, monkeypatch):
+    """`infinigen demo` end to end on a tiny model: three policies over a batch from one prefill,
+    full fetch's rows the same tokens as dense, and what each keeps as a share of dense's 16-bit
+    KV (dense's own fp32 KV is twice that)."""
+    import re
+
+    import infinigen.prefill as prefill
+    from infinigen.cli import main
+
+    calls = []
+    real = prefill.dense_prefix
+    monkeypatch.setattr(prefill, "dense_prefix", lambda *a, **k: calls.append(1) or real(*a, **k))
+    argv = ["demo", "--model", str(tiny_model_dir), "--prompt-tokens", "300", "--max-new-tokens", "4"]
+    assert main([*argv, "--batch", "2", "--quiet", "--calibration-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert calls == [1]  # one prefill for the three policies
+    rows = {
+        m.group(1): m
+        for m in re.finditer(r"^\s*(dense|full|infinigen) .*?([\d.]+) MiB = (\d+)%\s+first (\d) of 4", out, re.M)
+    }
+    assert set(rows) == {"dense", "full", "infinigen"}
+    assert rows["dense"].group(4) == rows["full"].group(4) == "4"  # full fetch is exact
+    assert 190 <= int(rows["dense"].group(3)) <= 210  # fp32 as computed against dense's fp16 KV
