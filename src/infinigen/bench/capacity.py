@@ -144,16 +144,14 @@ def _measure(args, model, tok, rows: list[dict]) -> None:
 
     runnable = [r for r in rows if r["batch"]]
     bar = tqdm(total=len(runnable), desc="bench capacity", unit="run")
+    base = run_settings(args)  # every row stores its KV in the run's dtype
     with tempfile.TemporaryDirectory(prefix="infinigen-capacity-") as tmp:
         kv_file = Path(tmp) / "prefill.safetensors"
-        cfg0 = InfiniGenConfig.from_dict(runnable[0]["config"]) if runnable else None
-        save_prefill(
-            model, _prompt_ids(tok, args.context), kv_file, (cfg0.storage_dtype() if cfg0 else None) or torch.float32
-        )
+        save_prefill(model, _prompt_ids(tok, args.context), kv_file, base.storage_dtype() or torch.float32)
         for r in runnable:
             cfg = InfiniGenConfig.from_dict(r["config"])
             bar.set_postfix_str(f"{r['policy']} B={r['batch']}")
-            m = _run_child(args, kv_file, cfg, r["policy"], r["batch"], bar, run_settings(args).kv_dtype)
+            m = _run_child(args, kv_file, cfg, r["policy"], r["batch"], bar, base.kv_dtype)
             r.update({
                 "tokens_per_s": m["tokens_per_s"], "peak_rss_bytes": m["peak_rss_bytes"],
                 "rss_over_model_bytes": m["rss_over_model_bytes"], "compute_kv_bytes": m["compute_kv_bytes"],

@@ -286,17 +286,23 @@ def _plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def _draw(speed, memory, rows: list[dict], x: str, kept: str, scale: str, scale_label: str) -> None:
+    """One line per policy of tokens/s (on `speed`) and of the bytes `kept` (on `memory`) against
+    the row key `x`, and dense's KV (the row key `scale`) dashed for scale."""
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r[x], r["tokens_per_s"], r[kept]) for r in rows if r["policy"] == policy)
+        xs = [p[0] for p in pts]
+        speed.plot(xs, [p[1] for p in pts], marker="o", label=policy)
+        memory.plot(xs, [p[2] / 2**20 for p in pts], marker="o", label=policy)
+    kv = sorted({(r[x], r[scale]) for r in rows})
+    memory.plot([v for v, _ in kv], [k / 2**20 for _, k in kv], ls="--", color="gray", label=scale_label)
+
+
 def _plot_batches(plt, rows: list[dict]):
     """Decode tokens/s and the KV-related bytes kept with the compute against the batch size,
     one line per policy, with dense's fp16 KV for scale: speed and memory side by side."""
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        pts = sorted((r["batch"], r["tokens_per_s"], r["compute_kv_bytes"]) for r in rows if r["policy"] == policy)
-        xs = [p[0] for p in pts]
-        speed.plot(xs, [p[1] for p in pts], marker="o", label=policy)
-        memory.plot(xs, [p[2] / 2**20 for p in pts], marker="o", label=policy)
-    kv = sorted({(r["batch"], r["dense_kv_bytes"]) for r in rows})
-    memory.plot([b for b, _ in kv], [k / 2**20 for _, k in kv], ls="--", color="gray", label="dense's fp16 KV")
+    _draw(speed, memory, rows, "batch", "compute_kv_bytes", "dense_kv_bytes", "dense's fp16 KV")
     speed.set_ylabel("decode tokens/s (all rows)")
     memory.set_ylabel("KV-related MiB kept with the compute")
     memory.set_yscale("log")
@@ -318,13 +324,7 @@ def _plot_contexts(plt, rows: list[dict]):
     fig, axes = plt.subplots(len(batches), 2, figsize=(11, 4 * len(batches)), squeeze=False)
     for (speed, memory), b in zip(axes, batches):
         here = [r for r in rows if r["batch"] == b]
-        for policy in dict.fromkeys(r["policy"] for r in here):
-            pts = sorted((r["context"], r["tokens_per_s"], r["peak_rss_bytes"]) for r in here if r["policy"] == policy)
-            xs = [p[0] for p in pts]
-            speed.plot(xs, [p[1] for p in pts], marker="o", label=policy)
-            memory.plot(xs, [p[2] / 2**20 for p in pts], marker="o", label=policy)
-        kv = sorted({(r["context"], r["kv_cache_bytes"]) for r in here})
-        memory.plot([c for c, _ in kv], [k / 2**20 for _, k in kv], ls="--", color="gray", label="dense's KV alone")
+        _draw(speed, memory, here, "context", "peak_rss_bytes", "kv_cache_bytes", "dense's KV alone")
         speed.set_ylabel("decode tokens/s")
         memory.set_ylabel("peak RSS while decoding (MiB, weights included)")
         for ax in (speed, memory):
