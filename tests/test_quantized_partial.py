@@ -45,6 +45,22 @@ def test_a_later_position_larger_than_the_prompt_is_not_clipped(fmt):
     assert (got - big[:, :, 0]).abs().max() <= big.abs().max() / LEVELS[fmt]
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_channel_far_from_zero_keeps_the_resolution_of_its_spread(fmt):
+    """A channel offset by 50x its spread (as RoPE's slowest pairs are) is stored about its mean:
+    its error is bounded by its spread's step, not by a step of the offset's size."""
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randn(1, 2, 64, 6, generator=gen)
+    keys[..., 0] += 50.0
+    valid = torch.ones(1, 64, dtype=torch.bool)
+    state = QuantizedPartialKeys(fmt)
+    state.append(keys, valid)
+    err = (state.keys(64) - keys).abs().amax()
+    spread = (keys - keys.mean(2, keepdim=True)).abs().amax()
+    assert err <= 0.5 * spread / LEVELS[fmt] * 1.01 * keys.shape[-1] ** 0.5
+    assert torch.allclose(state.mu[..., 0], keys[..., 0].mean(2), atol=1e-4)
+
+
 def test_channel_scales_ignore_padding_and_survive_silent_channels():
     keys = torch.ones(1, 1, 4, 3)
     keys[..., 2] = 0.0  # a silent channel
@@ -62,6 +78,7 @@ def _exact_case(seed: int, fmt: str, b=2, hkv=2, g=3, c=6, t=300):
     codes = torch.randint(-levels, levels + 1, (b, hkv, c, t), generator=gen).to(torch.int8)
     scales = (2.0 ** torch.randint(-3, 3, (b, hkv, 1, t), generator=gen)).to(torch.float16)
     sigma = 2.0 ** torch.randint(-2, 3, (b, hkv, c), generator=gen).float()
+    mu = torch.randint(-4, 5, (b, hkv, c), generator=gen).float()  # centered codes: a mean per channel
     query = torch.randint(-2, 3, (b, hkv * g, c), generator=gen).float()
     valid = torch.ones(b, hkv, t, dtype=torch.bool)
     valid[1, :, : t // 4] = False
@@ -70,9 +87,9 @@ def _exact_case(seed: int, fmt: str, b=2, hkv=2, g=3, c=6, t=300):
         stored = biased[:, :, 0::2] | (biased[:, :, 1::2] << 4)
     else:
         stored = codes
-    keys = dequantize(stored, scales, sigma, fmt)  # [B, Hkv, t, c]
-    state = QuantizedPartialKeys(fmt, sigma=sigma)
-    return stored.contiguous(), scales, state.kernel_query(query), keys, query, valid
+    keys = dequantize(stored, scales, sigma, fmt) + mu[:, :, None, :]  # [B, Hkv, t, c]
+    state = QuantizedPartialKeys(fmt, sigma=sigma, mu=mu)
+    return stored.contiguous(), scales, state.kernel_query(query), state.kernel_bias(query), keys, query, valid
 
 
 @pytest.fixture
@@ -89,28 +106,30 @@ def _kernel():
 @pytest.mark.parametrize("budget", [0.05, 0.3, 1.0])
 def test_kernel_scores_the_codes_as_the_dequantized_reference(fmt, agg, budget):
     for seed in range(3):
-        stored, scales, kq, keys, query, valid = _exact_case(seed, fmt)
+        stored, scales, kq, bias, keys, query, valid = _exact_case(seed, fmt)
         t = keys.shape[2]
         g = aggregate_group(partial_scores(query, keys, 1.0), valid, keys.shape[1], agg)
         ref = select_positions(g, valid, math.inf, budget, None, 1)
-        idx, counts = kernels.select(stored, t, kq, valid, agg, math.inf, budget, None, 1, scales=scales)
+        idx, counts = kernels.select(stored, t, kq, valid, agg, math.inf, budget, None, 1, scales=scales, bias=bias)
         assert torch.equal(counts, ref.counts)
         slots = torch.arange(idx.shape[-1]) < counts[..., None]
         assert torch.equal(torch.where(slots, idx, 0), ref.indices)
         chosen = torch.zeros_like(valid)
         count = torch.full(valid.shape[:2], 7)
         want = top_up(g, valid, chosen, count)
-        got = kernels.top_up(stored, t, kq, valid, agg, chosen, count, scales=scales)
+        got = kernels.top_up(stored, t, kq, valid, agg, chosen, count, scales=scales, bias=bias)
         assert torch.equal(got[1], want.counts) and torch.equal(got[0], want.indices)
 
 
 @pytest.mark.usefixtures("_kernel")
 def test_kernel_refuses_codes_without_matching_scales():
-    stored, scales, kq, *_ = _exact_case(0, "int8")
+    stored, scales, kq, bias, *_ = _exact_case(0, "int8")
     with pytest.raises(ValueError, match="scales"):
         kernels.select(stored, 10, kq, None, "max", 1.0, 1.0, None, 1, scales=scales.float())
     with pytest.raises(ValueError, match="channels"):
         kernels.select(stored, 10, kq[..., :-1], None, "max", 1.0, 1.0, None, 1, scales=scales)
+    with pytest.raises(ValueError, match="one per query head"):
+        kernels.select(stored, 10, kq, None, "max", 1.0, 1.0, None, 1, scales=scales, bias=bias[:, :-1])
 
 
 def _decode(cfg: InfiniGenConfig, new: int = 12):
@@ -149,7 +168,7 @@ def test_quantized_partial_keys_hold_a_fraction_of_16_bit_and_select_alike(fmt, 
     )
     seq16, logits16, s16 = _decode(base, new=6)
     seq_q, logits_q, s_q = _decode(base.replace(partial_format=fmt), new=6)
-    assert s_q["selector_bytes"] <= most * s16["selector_bytes"] * 1.03  # + sigma per layer
+    assert s_q["selector_bytes"] <= most * s16["selector_bytes"] * 1.06  # + mu and sigma per row (a short context)
     assert s_q["fetched_fraction"] == pytest.approx(s16["fetched_fraction"], rel=1e-6)
     p16, pq = torch.softmax(logits16, -1), torch.log_softmax(logits_q, -1)
     kl = (p16 * (torch.log(p16) - pq)).sum(-1).mean()

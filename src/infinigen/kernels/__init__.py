@@ -94,10 +94,10 @@ def _compile() -> ctypes.CDLL:
 def _bind(lib: ctypes.CDLL) -> None:
     p, i64, f32, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
     lib.ig_select.restype = i64
-    lib.ig_select.argtypes = [p, cint, i64, i64, p, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, i64]
+    lib.ig_select.argtypes = [p, cint, i64, i64, p, p, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, i64]
     lib.ig_select.argtypes += [p, p, p, p, p]
     lib.ig_top_up.restype = i64
-    lib.ig_top_up.argtypes = [p, cint, i64, i64, p, p, i64, i64, i64, i64, p, cint, p, p, p, p, p, p, p]
+    lib.ig_top_up.argtypes = [p, cint, i64, i64, p, p, p, i64, i64, i64, i64, p, cint, p, p, p, p, p, p, p]
     lib.ig_widen.restype = None
     lib.ig_widen.argtypes = [p, cint, i64, p]
     u64 = ctypes.c_uint64
@@ -180,6 +180,7 @@ def select(
     min_tokens: int,
     scales: torch.Tensor | None = None,
     block: int = 1,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """InfiniGen's selection in one call (the rule of `speculate.aggregate_group` followed by
     `speculate.select_positions`, or by `speculate.select_blocks` for `block` > 1; scores from
@@ -192,12 +193,14 @@ def select(
     scales: for quantized keys (int8 codes [B, Hkv, c, >= length], or uint8 [B, Hkv, c/2, >= length]
           holding two 4-bit codes per byte), the per-position scales [B, Hkv, 1, same room] float16;
           the per-channel scales are already folded into `query`;
+    bias: [B, H] added to every score of a query head (for centered codes: the query against the
+          channel means), or None;
     block: choose aligned blocks of this many positions (each scored by its best position) and
           return every valid position of the chosen blocks.
     Returns (indices [B, Hkv, n] ascending, padding slots 0; counts [B, Hkv])."""
     if block < 1:
         raise ValueError(f"block must be at least 1, got {block}")
-    call = _Call(keys, length, query, valid, scales)
+    call = _Call(keys, length, query, valid, scales, bias)
     n = call.lib.ig_select(
         *call.head, AGGREGATIONS[aggregation], float(alpha),
         float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens), int(block), *call.tail,
@@ -214,12 +217,13 @@ def top_up(
     chosen: torch.Tensor,
     count: torch.Tensor,
     scales: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A correction's top-up in one call (the rule of `speculate.top_up` on the group scores of
     `speculate.aggregate_group`): per (batch, KV head), the `count` [B, Hkv] best positions by
     `query` (layer i's own, scaled) among the valid ones that `chosen` [B, Hkv, length] (bool)
     does not hold, fewer where fewer are open. Arguments and result as `select`."""
-    call = _Call(keys, length, query, valid, scales)
+    call = _Call(keys, length, query, valid, scales, bias)
     r = call.rows
     chosen_bytes = chosen.reshape(r, length).to(torch.uint8).contiguous()
     want = count.reshape(r).to(torch.int64).contiguous()
@@ -234,7 +238,13 @@ class _Call:
     buffers), checked and laid out as the kernels read them."""
 
     def __init__(
-        self, keys: torch.Tensor, length: int, query: torch.Tensor, valid: torch.Tensor | None, scales=None
+        self,
+        keys: torch.Tensor,
+        length: int,
+        query: torch.Tensor,
+        valid: torch.Tensor | None,
+        scales: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> None:
         b, hkv, stored, room = keys.shape
         if scales is None:
@@ -248,6 +258,12 @@ class _Call:
             raise ValueError(f"length {length} exceeds the keys' room {room}")
         self.shape, self.rows = (b, hkv), b * hkv
         self._keep = [query.to(torch.float32).reshape(self.rows, g, c).contiguous()]
+        bias_ptr = None
+        if bias is not None:
+            if tuple(bias.shape) != tuple(query.shape[:2]):
+                raise ValueError(f"bias must be [{b}, {query.shape[1]}] (one per query head), got {list(bias.shape)}")
+            self._keep.append(bias.to(torch.float32).reshape(self.rows, g).contiguous())
+            bias_ptr = self._keep[-1].data_ptr()
         vmask = None
         if valid is not None:
             vmask = valid.reshape(self.rows, length).to(torch.uint8).contiguous()
@@ -260,7 +276,7 @@ class _Call:
         self._keep += scratch
         self.head = (
             keys.data_ptr(), fmt, stored * room, room, None if scales is None else scales.data_ptr(),
-            self._keep[0].data_ptr(), self.rows, g, c, length, None if vmask is None else vmask.data_ptr(),
+            self._keep[0].data_ptr(), bias_ptr, self.rows, g, c, length, None if vmask is None else vmask.data_ptr(),
         )  # fmt: skip
         self.tail = (*(t.data_ptr() for t in scratch), self.out.data_ptr(), self.counts.data_ptr())
 

@@ -12,8 +12,9 @@
  * Rows r = (batch, KV head). keys: channel-major [R][C][ld] (T columns used) in one of the key
  * formats below ([R][C/2][ld] bytes for packed 4-bit codes), scales: [R][ld] half floats for the
  * quantized formats (NULL otherwise), query: [R][G][C]
- * already multiplied by the attention scaling. valid: [R][T] bytes, or NULL when every
- * position exists.
+ * already multiplied by the attention scaling, bias: [R][G] added to every score of a head (the
+ * query against the channel means of centered codes; NULL: none). valid: [R][T] bytes, or NULL
+ * when every position exists.
  */
 #include <math.h>
 #include <stdint.h>
@@ -297,12 +298,16 @@ static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, float *
 }
 
 /* z[t]: row r's aggregated group scores, -inf where not valid (vr: that row's valid bytes, or
-   NULL) and where the aggregation gives NaN. Returns the row's context (its valid positions);
+   NULL) and where the aggregation gives NaN. bias: [G] added to each head's scores (the query
+   against the channel means of centered codes), or NULL. Returns the row's context (its valid positions);
    z is not written when that is 0. */
 static int64_t group_scores_row(const void *keys, int key_format, int64_t offset, int64_t ld, const uint16_t *s,
-                                const float *q, int64_t G, int64_t C, int64_t T, const uint8_t *vr, int mode,
-                                float *scores, float *z, float *tmp) {
+                                const float *q, const float *bias, int64_t G, int64_t C, int64_t T,
+                                const uint8_t *vr, int mode, float *scores, float *z, float *tmp) {
     score_row(keys, key_format, offset, ld, s, q, G, C, T, scores);
+    if (bias)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t t = 0; t < T; t++) scores[g * T + t] += bias[g];
     int64_t ctx = T;
     if (vr) {
         ctx = 0;
@@ -420,7 +425,7 @@ static int64_t choose_blocks(const float *z, const uint8_t *vr, int64_t T, int64
    MAX_GROUP, -2 when block scratch cannot be allocated. block: 1 selects positions, more selects
    aligned blocks of that many. */
 int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const uint16_t *scales,
-                  const float *query,
+                  const float *query, const float *bias /* [R][G] or NULL */,
                   int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode,
                   float alpha, double budget, int64_t budget_tokens, int64_t min_tokens, int64_t block,
                   float *scores /* [G][T] */, float *z /* [T] */, float *tmp /* [T] */,
@@ -444,7 +449,8 @@ int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int6
         const uint8_t *vr = valid ? valid + r * T : NULL;
         out_count[r] = 0;
         const int64_t ctx = group_scores_row(keys, key_format, r * key_row_stride, ld, scales ? scales + r * ld : NULL,
-                                             query + r * G * C, G, C, T, vr, mode, scores, z, tmp);
+                                             query + r * G * C, bias ? bias + r * G : NULL, G, C, T, vr, mode,
+                                             scores, z, tmp);
         if (ctx == 0) continue;
         out_count[r] = nb ? choose_blocks(z, vr, T, block, alpha, budget, budget_tokens, min_tokens, zb, bv, bidx,
                                           tmp, out_idx + r * T)
@@ -460,7 +466,7 @@ int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int6
    layer i's own query) among the valid ones that `chosen` [R][T] (bytes) does not hold, fewer
    when fewer are open. Same rule for ties as ig_select; returns the widest row. */
 int64_t ig_top_up(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const uint16_t *scales,
-                  const float *query,
+                  const float *query, const float *bias,
                   int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode, const uint8_t *chosen,
                   const int64_t *want, float *scores, float *z, float *tmp, int64_t *out_idx, int64_t *out_count) {
     if (G > MAX_GROUP) return -1;
@@ -473,7 +479,7 @@ int64_t ig_top_up(const void *keys, int key_format, int64_t key_row_stride, int6
         const int64_t count = want[r] < open ? want[r] : open;
         if (count <= 0) continue;
         group_scores_row(keys, key_format, r * key_row_stride, ld, scales ? scales + r * ld : NULL, query + r * G * C,
-                         G, C, T, vr, mode, scores, z, tmp);
+                         bias ? bias + r * G : NULL, G, C, T, vr, mode, scores, z, tmp);
         out_count[r] = emit_above(z, vr, ex, T, count, cut_at(z, vr, ex, T, count, tmp), out_idx + r * T);
         if (out_count[r] > widest) widest = out_count[r];
     }

@@ -164,10 +164,10 @@ class InfiniGenSelector(Selector):
         budget = self.speculated_budget(layer)
         if self._kernel_reads(state, query):
             # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
-            keys, q, scales = self._kernel_operands(state, layer, query)
+            keys, q, scales, bias = self._kernel_operands(state, layer, query)
             idx, counts = kernels.select(
                 keys, past, q, None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
-                budget, k.budget_tokens, k.min_tokens, scales=scales, block=k.block_tokens,
+                budget, k.budget_tokens, k.min_tokens, scales=scales, block=k.block_tokens, bias=bias,
             )  # fmt: skip
             return _selection(idx, counts)
         g = self.scores(state, layer, query, past, valid)
@@ -185,11 +185,11 @@ class InfiniGenSelector(Selector):
         )
 
     def _kernel_operands(self, state, layer: int, query: torch.Tensor):
-        """(keys, scaled partial query, scales or None) as the kernels take them."""
+        """(keys, scaled partial query, scales or None, bias or None) as the kernels take them."""
         q = self._scaled_partial_query(layer, query)
         if isinstance(state, QuantizedPartialKeys):
-            return state.codes.full, state.kernel_query(q), state.scales.full
-        return state.buffer.full, q, None
+            return state.codes.full, state.kernel_query(q), state.scales.full, state.kernel_bias(q)
+        return state.buffer.full, q, None, None
 
     def _scaled_partial_query(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
@@ -198,7 +198,7 @@ class InfiniGenSelector(Selector):
     def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
         c, fmt = self.channels(layer), self.knobs.partial_format
         itemsize = torch.empty((), dtype=self.kv_dtype or kv_dtype).element_size()
-        per_row = room * partial_bytes_per_position(fmt, c, itemsize) + (0 if fmt == "kv" else 4 * c)  # + sigma
+        per_row = room * partial_bytes_per_position(fmt, c, itemsize) + (0 if fmt == "kv" else 8 * c)  # + mu, sigma
         return batch * self.adapter.num_kv_heads * per_row
 
     def weight_bytes(self) -> int:
@@ -228,10 +228,11 @@ class InfiniGenSelector(Selector):
         count = torch.ceil(ctx.to(torch.float64) * fraction).to(torch.long)
         chosen = selection_mask(selection, past)
         if self._kernel_reads(state, query):
-            keys, q, scales = self._kernel_operands(state, layer, query)
+            keys, q, scales, bias = self._kernel_operands(state, layer, query)
             idx, counts = kernels.top_up(
-                keys, past, q, None if all_valid else valid, self.knobs.aggregation, chosen, count, scales=scales
-            )
+                keys, past, q, None if all_valid else valid, self.knobs.aggregation, chosen, count,
+                scales=scales, bias=bias,
+            )  # fmt: skip
             return _selection(idx, counts)
         return top_up(self.scores(state, layer, query, past, valid), valid, chosen, count)
 

@@ -3,21 +3,25 @@
 
 The partial keys are the one part of InfiniGen that grows with the context and stays with the
 compute. After the skew, their channels differ in scale by orders of magnitude (the skew moves
-the energy into a few channels), and each position differs in magnitude too. So a key is stored as
+the energy into a few channels), each position differs in magnitude too, and some channels sit
+far from zero (RoPE's slowest-turning pairs barely rotate over a context, so a key's offset there
+is nearly the same at every position). So a key is stored as
 
-    k[c, t] ~= sigma[c] * s[t] * code[c, t]
+    k[c, t] ~= mu[c] + sigma[c] * s[t] * code[c, t]
 
-with `sigma` one scale per channel (the root mean square of that channel over the prompt, per
-batch row and KV head: measured on the sequence itself, once, at its first append), `s` one scale
-per position (its largest |k / sigma| over the channels, / 127 or / 7, kept as float16) and
-`code` a signed integer (int8, or 4 bits packed two channels per byte). Nothing is clipped: a
-later position larger than the prompt's only gets a larger `s`. A score is then
+with `mu` one mean per channel and `sigma` one scale per channel (the mean and the root mean
+square about it of that channel over the prompt, per batch row and KV head: measured on the
+sequence itself, once, at its first append), `s` one scale per position (its largest
+|(k - mu) / sigma| over the channels, / 127 or / 7, kept as float16) and `code` a signed integer
+(int8, or 4 bits packed two channels per byte). Nothing is clipped: a later position larger than
+the prompt's only gets a larger `s`. Without `mu`, an offset channel spends the codes' range on
+its offset: 4-bit codes then lost a third of the ranking on source code. A score is then
 
-    q . k ~= s[t] * sum_c (q[c] * sigma[c]) * code[c, t]
+    q . k ~= s[t] * sum_c (q[c] * sigma[c]) * code[c, t] + sum_c q[c] * mu[c]
 
-so the selection kernel folds `sigma` into the query once per step and reads the codes as they
-are stored (`kernels.select` with `scales`); `dequantize` is the tensor path's fallback and the
-reference the kernel is tested against.
+so the selection kernel folds `sigma` into the query once per step, adds the last term once per
+query head (`kernels.select` with `scales` and `bias`) and reads the codes as they are stored;
+`dequantize` is the tensor path's fallback and the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ LEVELS = {"int8": 127, "int4": 7}
 @dataclass
 class QuantizedPartialKeys:
     """One layer's partial keys as codes [B, Hkv, c (int8) or c/2 (int4, uint8), T] and scales
-    [B, Hkv, 1, T] (float16), both channel-major and grown together, plus `sigma` [B, Hkv, c]."""
+    [B, Hkv, 1, T] (float16), both channel-major and grown together, plus `mu` and `sigma`
+    [B, Hkv, c] (float32)."""
 
     fmt: str
     codes: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=-1))
     scales: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=-1))
     sigma: torch.Tensor | None = None
+    mu: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -48,15 +54,17 @@ class QuantizedPartialKeys:
     def append(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
         """keys [B, Hkv, n, c] (projected partial keys, float32); valid [B, n] real tokens."""
         if self.sigma is None:
-            self.sigma = channel_scales(keys, valid)
-        codes, scales = quantize(keys, self.sigma, self.fmt)
+            self.mu = channel_means(keys, valid)
+            self.sigma = channel_scales(keys - self.mu[:, :, None, :], valid)
+        codes, scales = quantize(keys - self.mu[:, :, None, :], self.sigma, self.fmt)
         self.codes.append(codes)
         self.scales.append(scales)
         assert self.codes.full.shape[-1] == self.scales.full.shape[-1]  # one room: the kernel's one stride
 
     def keys(self, length: int) -> torch.Tensor:
         """The first `length` positions dequantized, [B, Hkv, length, c] float32 (the reference)."""
-        return dequantize(self.codes.data[..., :length], self.scales.data[..., :length], self.sigma, self.fmt)
+        centered = dequantize(self.codes.data[..., :length], self.scales.data[..., :length], self.sigma, self.fmt)
+        return centered + self.mu[:, :, None, :]
 
     def kernel_query(self, query: torch.Tensor) -> torch.Tensor:
         """query [B, H, c] (scaled partial queries) with sigma folded in, padded to an even channel
@@ -67,6 +75,21 @@ class QuantizedPartialKeys:
         if self.fmt == "int4" and c % 2:
             q = torch.nn.functional.pad(q, (0, 1))
         return q.reshape(b, h, -1)
+
+    def kernel_bias(self, query: torch.Tensor) -> torch.Tensor:
+        """[B, H]: each query head (scaled partial queries [B, H, c]) against the channel means,
+        the part of every score the centered codes leave out."""
+        b, h, c = query.shape
+        hkv = self.mu.shape[1]
+        q = query.to(torch.float32).reshape(b, hkv, h // hkv, c)
+        return (q * self.mu[:, :, None, :]).sum(-1).reshape(b, h)
+
+
+def channel_means(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """mu [B, Hkv, c]: each channel's mean over the real positions of `keys` [B, Hkv, n, c]; 0 for
+    a row without any real position."""
+    w = valid.to(torch.float32)[:, None, :, None]  # [B, 1, n, 1]
+    return (keys.to(torch.float32) * w).sum(2) / w.sum(2).clamp(min=1.0)
 
 
 def channel_scales(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
