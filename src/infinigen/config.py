@@ -123,9 +123,10 @@ class SpeculationKnobs(SelectionBudget):
         0.75, "fraction r of the head dimension kept as partial channels", fraction(), advanced=True
     )
     partial_format: str = knob(
-        "int8",
-        "how the partial keys are kept with the compute: kv (the KV's storage dtype), int8 or int4 (codes with a "
-        "scale per channel and per position: about a half or a quarter of 16-bit, scored without widening)",
+        "int4",
+        "how the partial keys are kept with the compute: kv (the KV's storage dtype), int8 or int4 (codes about "
+        "a mean per channel, with a scale per channel and per position: about a half or a quarter of 16-bit, "
+        "scored without widening)",
         one_of(PARTIAL_FORMATS),
         advanced=True,
     )
