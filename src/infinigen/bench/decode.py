@@ -467,7 +467,7 @@ def run_parent(args: argparse.Namespace) -> int:
         "faster of dense (preallocated) and dense-hf (DynamicCache). Per token: 'tier MiB' read from the slow "
         "tier's medium (the disk; host RAM for the ram tier), read amplification included; 'cache MiB' served "
         "from RAM in front of the disk (unwritten tail blocks, block cache); 'reads' disk read requests. 'spec ms': selection time per step, on the prefetch thread; "
-        "'wait %': share of the step the compute waited on transfers; 'local KV': what the sliding-window layers keep with the compute (never offloaded, not in the tier columns); 'selector': what the selection keeps with the compute (InfiniGen's partial keys at the KV's storage dtype, room to grow included; Quest's page bounds; H2O's scores). Measured on this machine, not modelled."
+        "'wait %': share of the step the compute waited on transfers; 'local KV': what the sliding-window layers keep with the compute (never offloaded, not in the tier columns); 'selector': what the selection keeps with the compute (InfiniGen's partial keys in their `partial_format`, room to grow included; Quest's page bounds; H2O's scores). Measured on this machine, not modelled."
     )
     print(table)
     print(note)
