@@ -53,10 +53,12 @@ class QuantizedPartialKeys:
 
     def append(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
         """keys [B, Hkv, n, c] (projected partial keys, float32); valid [B, n] real tokens."""
-        if self.sigma is None:
+        if self.mu is None:
             self.mu = channel_means(keys, valid)
-            self.sigma = channel_scales(keys - self.mu[:, :, None, :], valid)
-        codes, scales = quantize(keys - self.mu[:, :, None, :], self.sigma, self.fmt)
+        centered = keys.to(torch.float32) - self.mu[:, :, None, :]
+        if self.sigma is None:
+            self.sigma = channel_scales(centered, valid)
+        codes, scales = quantize(centered, self.sigma, self.fmt)
         self.codes.append(codes)
         self.scales.append(scales)
         assert self.codes.full.shape[-1] == self.scales.full.shape[-1]  # one room: the kernel's one stride
@@ -85,11 +87,17 @@ class QuantizedPartialKeys:
         return (q * self.mu[:, :, None, :]).sum(-1).reshape(b, h)
 
 
+def _mean_over_real(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, c]: the mean of `x` [B, Hkv, n, c] over the real positions (`valid` [B, n]); 0 for
+    a row without any."""
+    w = valid.to(torch.float32)[:, None, :, None]  # [B, 1, n, 1]
+    return (x * w).sum(2) / w.sum(2).clamp(min=1.0)
+
+
 def channel_means(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """mu [B, Hkv, c]: each channel's mean over the real positions of `keys` [B, Hkv, n, c]; 0 for
     a row without any real position."""
-    w = valid.to(torch.float32)[:, None, :, None]  # [B, 1, n, 1]
-    return (keys.to(torch.float32) * w).sum(2) / w.sum(2).clamp(min=1.0)
+    return _mean_over_real(keys.to(torch.float32), valid)
 
 
 def channel_scales(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -97,9 +105,7 @@ def channel_scales(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     [B, Hkv, n, c], floored at 1e-6 of the row's largest (a silent channel must not divide by 0);
     1 for a row without any real position."""
     k = keys.to(torch.float32)
-    w = valid.to(torch.float32)[:, None, :, None]  # [B, 1, n, 1]
-    count = w.sum(2).clamp(min=1.0)
-    rms = ((k * k * w).sum(2) / count).sqrt()
+    rms = _mean_over_real(k * k, valid).sqrt()
     floor = rms.amax(-1, keepdim=True) * 1e-6
     sigma = torch.maximum(rms, floor)
     return torch.where(sigma > 0, sigma, torch.ones_like(sigma))
