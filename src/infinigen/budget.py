@@ -65,7 +65,7 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
         if role == Role.COMPUTE:
             parts["dense_layers"] += whole_layer
         elif role == Role.LOCAL:
-            parts["local_layers"] += b * hkv * min(n, adapter.window(i) - 1) * d * 2 * compute_item
+            parts["local_layers"] += b * hkv * min(n, adapter.window(i) - 1) * d * 2 * _itemsize(kv_dtype)
         elif role == Role.SELECT and selector is not None:
             parts["speculation_state"] += selector.state_bytes(i, b, n, n, kv_dtype)  # reserved for n
     rows = transfer_rows(config, adapter, selector, n)

@@ -141,7 +141,7 @@ class InfiniGenCache(SessionCache):
                     ComputeLayer(i, capacity, reserve=max_length is not None, store_dtype=config.storage_dtype())
                 )
             elif role == Role.LOCAL:
-                layers.append(LocalLayer(i, adapter.window(i)))
+                layers.append(LocalLayer(i, adapter.window(i), store_dtype=config.storage_dtype()))
             else:
                 pooled = role == Role.SELECT and config.host_capacity is not None
                 layers.append(OffloadedLayer(OffloadSettings(i, role, pooled), self._shared, selector))

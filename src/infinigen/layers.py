@@ -112,6 +112,15 @@ class SessionLayer(CacheLayerMixin):
         return -1
 
 
+def _widened(stored: torch.Tensor, new: torch.Tensor, past: int) -> torch.Tensor:
+    """The first `past` positions of `stored` in `new`'s dtype, followed by `new` as computed:
+    one tensor, each position written once."""
+    out = new.new_empty(*new.shape[:2], past + new.shape[2], new.shape[3])
+    out[:, :, :past].copy_(stored[:, :, :past])
+    out[:, :, past:] = new
+    return out
+
+
 class ComputeLayer(SessionLayer):
     """A layer whose whole KV stays with the compute: a preallocated buffer grown by doubling
     (never past `capacity`), written in place, so a decode step copies nothing it already holds.
@@ -161,14 +170,7 @@ class ComputeLayer(SessionLayer):
         # the past as stored, widened; the new positions as computed (as an offloaded layer attends),
         # each written once into the step's tensors (a widened copy then a concatenation moved
         # the past twice: a seventh of a batch-8 step at 8K went to it)
-        return self._widened(self._k, key_states, past), self._widened(self._v, value_states, past)
-
-    @staticmethod
-    def _widened(stored: torch.Tensor, new: torch.Tensor, past: int) -> torch.Tensor:
-        out = new.new_empty(*new.shape[:2], past + new.shape[2], new.shape[3])
-        out[:, :, :past].copy_(stored[:, :, :past])
-        out[:, :, past:] = new
-        return out
+        return _widened(self._k, key_states, past), _widened(self._v, value_states, past)
 
     def held_bytes(self) -> int:
         """Its preallocated buffers (room to grow included)."""
@@ -185,47 +187,45 @@ class LocalLayer(SessionLayer):
     what each query sees. Its KV is bounded by the window whatever the context: never offloaded,
     never speculated.
 
-    keys, values: KV it starts from (an evaluation's prefix, already trimmed to its window),
-    `length` positions long in all."""
+    Kept in `store_dtype` when given (the KV's storage dtype, as `ComputeLayer`: half the bytes
+    where the model computes in float32); a step then attends the window as stored, widened, and
+    its own new positions as computed."""
 
     role = Role.LOCAL
     is_sliding = True
 
-    def __init__(
-        self,
-        index: int,
-        window: int,
-        keys: torch.Tensor | None = None,
-        values: torch.Tensor | None = None,
-        length: int = 0,
-    ) -> None:
+    def __init__(self, index: int, window: int, store_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if window < 1:
             raise ValueError(f"a local layer needs a window of at least 1 position, got {window}")
-        self.index, self.window, self.length = index, window, length
+        self.index, self.window, self.store_dtype = index, window, store_dtype
+        self.length = 0
         self.stats = LayerStats()
         self.peak_bytes = 0  # the most KV bytes it held after an update
-        if keys is not None:
-            self.lazy_initialization(keys, values)
-            self.keys, self.values = keys, values
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self.keys = key_states[:, :, :0]
-        self.values = value_states[:, :, :0]
+        dtype = self.store_dtype or key_states.dtype
+        self.keys = key_states[:, :, :0].to(dtype)
+        self.values = value_states[:, :, :0].to(dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        full_k = torch.cat([self.keys, key_states], dim=-2)
-        full_v = torch.cat([self.values, value_states], dim=-2)
-        start = max(full_k.shape[2] - (self.window - 1), 0)
-        self.keys, self.values = full_k[:, :, start:], full_v[:, :, start:]
-        if key_states.shape[2] > 1:  # a prefill: keep the window, not a view of the whole prompt
-            self.keys, self.values = self.keys.clone(), self.values.clone()
+        full_k = _widened(self.keys, key_states, self.keys.shape[2])
+        full_v = _widened(self.values, value_states, self.values.shape[2])
+        self.keys, self.values = self._window(self.keys, key_states), self._window(self.values, value_states)
         self.length += key_states.shape[2]
         self.peak_bytes = max(self.peak_bytes, 2 * self.keys.numel() * self.keys.element_size())
         return full_k, full_v
+
+    def _window(self, kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """The last `window` - 1 positions of what it kept and `new`, in the kept dtype: a tensor
+        of its own, never a view of a longer one (a prefill's whole prompt)."""
+        keep = self.window - 1
+        n = new.shape[2]
+        old = kept[:, :, max(kept.shape[2] + n - keep, 0) :] if n < keep else kept[:, :, :0]
+        return torch.cat([old, new[:, :, max(n - keep, 0) :].to(kept.dtype)], dim=-2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv length, kv offset) of what `update` will return, as the sliding mask needs them."""

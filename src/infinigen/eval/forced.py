@@ -9,8 +9,8 @@ from the state after s - 1 steps, `on_append` of s's key, `observe` of s's weigh
 mask row by row, and attends with the stored KV as the tier would return it (rounded to the
 storage dtype, or int4-quantized; the current token's own K and V are exact, as in decode).
 The layer roles, storage rounding and row bytes come from the config and storage, exactly as the
-cache uses them; a local (sliding-window) layer is the cache's own `LocalLayer`, started from
-the prefix's window. `tests/test_forced.py` checks logits, fractions, bytes and recall against the
+cache uses them; a local (sliding-window) layer attends the prefix's window and the chunk as
+`LocalLayer` returns them. `tests/test_forced.py` checks logits, fractions, bytes and recall against the
 step-by-step decode path.
 
 The prefill is dense for every policy (InfiniGen's prefill is), so one prefill per text serves
@@ -147,6 +147,7 @@ class ForcedLayer(SessionLayer):
         self.prefix_keys = prefix.cache.layers[index].keys
         self.prefix_values = prefix.cache.layers[index].values
         self.length = prefix.length
+        self.window: int | None = None  # a sliding layer's window (`ForcedLocalLayer`)
         self.inputs: dict[str, tuple[torch.Tensor, Any]] = {}
 
     def own_input(self, x, pe) -> None:
@@ -161,15 +162,16 @@ class ForcedLayer(SessionLayer):
 
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         stored = self.config.storage_dtype()
-        if self.role == Role.COMPUTE and (stored is None or stored == key.dtype):
+        if self.role in (Role.COMPUTE, Role.LOCAL) and (stored is None or stored == key.dtype):
             return dense_attention(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         return self._fetched_attention(query, key, value, attention_scaling(query, scaling))
 
     def _fetched_attention(self, query, key, value, scaling: float):
-        """Attention of S forced positions over the KV a tier would return, masked per position."""
-        fmt = self.config.spec.fmt
+        """Attention of S forced positions over the KV a tier would return (or a layer kept with the
+        compute holds: in the storage dtype, whatever the tier's format), masked per position."""
+        fmt = self.config.spec.fmt if self.role.offloaded else "native"
         b, h, s_len, d = query.shape
         hkv, k_len = key.shape[1], key.shape[2]
         g = h // hkv
@@ -187,7 +189,9 @@ class ForcedLayer(SessionLayer):
         scores[:, :, rows, self_col] = (qf * k_self).sum(-1) * scaling
         cols = torch.arange(k_len, device=query.device)
         causal = cols[None, :] <= self_col[:, None]  # [S, K]
-        if self.role == Role.COMPUTE:  # kept whole with the compute in the storage dtype: nothing moves
+        if self.window is not None:  # a sliding layer: the last `window` positions, itself included
+            causal &= cols[None, :] > self_col[:, None] - self.window
+        if self.role in (Role.COMPUTE, Role.LOCAL):  # kept with the compute in the storage dtype: nothing moves
             allowed = causal[None, None].expand(b, h, s_len, k_len)
         elif self.role == Role.FETCH_ALL:
             allowed = causal[None, None].expand(b, h, s_len, k_len)
@@ -258,6 +262,27 @@ class ForcedLayer(SessionLayer):
         self.selecting.observe(sel, p.gather(-1, sel.indices.repeat_interleave(g, 1)), p[..., past])
 
 
+class ForcedLocalLayer(ForcedLayer):
+    """A sliding-window layer of a forced run: the prefix's last `window` - 1 positions, then the
+    S forced positions, each seeing its last `window` positions as `LocalLayer` returns them (the
+    model's own sliding mask when the KV is kept as computed; stored in the storage dtype, the
+    past rounded and the current position exact, as decoding attends it)."""
+
+    is_sliding = True
+
+    def __init__(self, index: int, prefix: Prefix, config: InfiniGenConfig, record: _Record, window: int) -> None:
+        super().__init__(index, Role.LOCAL, prefix, config, None, record)
+        self.window = window
+        keep = min(prefix.length, window - 1)
+        start = self.prefix_keys.shape[2] - keep
+        self.prefix_keys, self.prefix_values = self.prefix_keys[:, :, start:], self.prefix_values[:, :, start:]
+
+    get_mask_sizes = LocalLayer.get_mask_sizes
+
+    def get_max_length(self) -> int:
+        return self.window
+
+
 class ForcedCache(SessionCache):
     """The layers of one forced run, for the session's hooks."""
 
@@ -321,8 +346,8 @@ class ForcedRunner:
         layers = []
         for i in range(adapter.num_layers):
             role = config.layer_role(i, local=adapter.is_local(i))
-            if role == Role.LOCAL:  # its window of the prefix, then the chunk, under the model's sliding mask
-                layers.append(_local_layer(prefix, i, adapter.window(i)))
+            if role == Role.LOCAL:  # its window of the prefix, then the chunk
+                layers.append(ForcedLocalLayer(i, prefix, config, record, adapter.window(i)))
                 continue
             selecting = _prefilled(selector, i, prefix, self) if role == Role.SELECT else None
             layers.append(ForcedLayer(i, role, prefix, config, selecting, record))
@@ -339,14 +364,6 @@ class ForcedRunner:
             correction_rows=record.correction_rows,
             per_layer_correction=record.correction,
         )
-
-
-def _local_layer(prefix: Prefix, index: int, window: int) -> LocalLayer:
-    """A local layer holding the last `window` - 1 positions of the prefix, as decoding would."""
-    stored = prefix.cache.layers[index]
-    keep = min(prefix.length, window - 1)
-    start = stored.keys.shape[2] - keep
-    return LocalLayer(index, window, stored.keys[:, :, start:], stored.values[:, :, start:], length=prefix.length)
 
 
 def _prefilled(selector: Selector, index: int, prefix: Prefix, runner: ForcedRunner) -> LayerSelector:
