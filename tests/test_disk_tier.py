@@ -522,7 +522,7 @@ def test_a_large_gather_reads_in_bounded_chunks_and_is_still_bit_identical(kv_di
     gen = torch.Generator().manual_seed(4)
     b, h = 4, 3
     results = []
-    for chunk in (1 << 30, 3 * 4096):  # everything at once, then about one region at a time
+    for chunk in (1 << 30, CAPACITY * 2 * D * 2):  # everything at once, then one region's blocks at a time
         monkeypatch.setattr(disk_module, "READ_CHUNK", chunk)
         gen.manual_seed(4)
         ram, disk = _pair(kv_dir, b=b, h=h, cache_fraction=cache)
@@ -536,6 +536,45 @@ def test_a_large_gather_reads_in_bounded_chunks_and_is_still_bit_identical(kv_di
     (bytes_all, rows_all, buffer_all), (bytes_chunked, rows_chunked, buffer_chunked) = results
     assert (bytes_all, rows_all) == (bytes_chunked, rows_chunked)
     assert buffer_chunked < buffer_all
+
+
+def _counting(read_chunk, calls: list[int]):
+    """`read_chunk`, noting how many rows each call reads."""
+
+    def counted(region, pos, tail_pos, rows):
+        calls.append(len(pos))
+        return read_chunk(region, pos, tail_pos, rows)
+
+    return counted
+
+
+@pytest.mark.parametrize("cache", [0.0, 0.3])
+def test_one_region_over_the_chunk_is_read_in_runs_of_its_rows(kv_dir, gather_path, cache, monkeypatch):
+    """A single region whose selection alone could need more than READ_CHUNK (a long context at
+    batch 1) is read in runs of its rows, each within the chunk: the same rows as the RAM tier,
+    and no fewer bytes than one read of everything (a block two runs share is read by both)."""
+    import infinigen.storage.disk as disk_module
+
+    gen = torch.Generator().manual_seed(5)
+    calls: list[int] = []
+    results = []
+    for chunk in (1 << 30, 4 * 3 * 4096):  # everything at once, then runs of 4 rows
+        monkeypatch.setattr(disk_module, "READ_CHUNK", chunk)
+        gen.manual_seed(5)
+        ram, disk = _pair(kv_dir, b=1, h=1, cache_fraction=cache)
+        with disk:
+            _append_both(ram, disk, PREFILL, gen)
+            calls.clear()
+            monkeypatch.setattr(disk, "_read_chunk", _counting(disk._read_chunk, calls))
+            idx, valid = _selection(1, 1, 60, ram.length, gen, p_valid=1.0)
+            kr, vr = ram.gather(idx, valid, torch.device("cpu"), torch.float32)
+            kd, vd = disk.gather(idx, valid, torch.device("cpu"), torch.float32)
+            assert torch.equal(kr, kd) and torch.equal(vr, vd)
+            results.append((disk.stats.bytes, disk.stats.rows, list(calls)))
+    (bytes_all, rows_all, calls_all), (bytes_runs, rows_runs, calls_runs) = results
+    assert calls_all == [60] and calls_runs == [4] * 15
+    assert rows_runs == rows_all == 60
+    assert bytes_runs >= bytes_all
 
 
 def test_a_range_reads_the_blocks_it_covers_once_per_region(kv_dir):

@@ -76,7 +76,8 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
     parts["transfer_buffers"] += len(chunked) * 2 * b * hkv * min(config.fetch_chunk, n) * d * compute_item
     parts["metadata"] = b * 2 * n  # which positions are real (bool), grown by doubling
     if offloaded and config.spec.placement == "offload" and config.tier == "disk" and config.spec.fmt != "int4":
-        _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, rows)
+        every_row = any(roles[i] == Role.FETCH_ALL for i in offloaded)
+        _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, rows, every_row)
     return parts
 
 
@@ -97,7 +98,9 @@ def transfer_rows(config, adapter, selector, positions: int) -> int:
     return most
 
 
-def _disk_parts(parts, config, request: Request, hkv: int, d: int, kv_dtype, layers: list[int], rows: int) -> None:
+def _disk_parts(
+    parts, config, request: Request, hkv: int, d: int, kv_dtype, layers: list[int], rows: int, every_row: bool
+) -> None:
     """The disk tier's RAM: block cache (and its maps), tails, the shared read and staging buffers."""
     regions = request.batch * hkv
     blk = block_size(Path(config.kv_dir) if config.kv_dir else default_directory())
@@ -109,9 +112,12 @@ def _disk_parts(parts, config, request: Request, hkv: int, d: int, kv_dtype, lay
             parts["block_cache"] += slots * blk
             parts["metadata"] += regions * region_blocks * 8 + slots * 9 + 8  # maps: block->slot, slot->block, refs
         parts["tier_buffers"] += regions * blk  # the unwritten tail block of every region
-    # reads go a few regions at a time through one buffer of about READ_CHUNK (one region at least)
+    # reads go a few regions (or a run of one region's rows) at a time through one buffer of about READ_CHUNK
     layer = regions * min(region_blocks, rows) * blk
-    read = min(layer, max(READ_CHUNK, region_blocks * blk))
+    read = min(layer, READ_CHUNK)
+    if every_row:  # a range read (every row, or a chunk of them) takes one region's span at least
+        span = min(config.fetch_chunk, request.positions) if config.fetch_chunk else request.positions
+        read = max(read, (-(-span * record // blk) + 1) * blk)
     parts["tier_buffers"] += max(2 * read, 1 << 16)  # grown by doubling
     chunk = regions * -(-min(request.positions, PREFILL_CHUNK) * record // blk) * blk
     parts["tier_buffers"] += chunk if chunk <= STAGE_KEEP else 0  # a prefill chunk's staging, kept if small

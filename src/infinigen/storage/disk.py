@@ -702,17 +702,25 @@ class DiskTier(KVTier):
         return k, v
 
     def _read_records(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
-        """`_read_chunk` over runs of whole regions whose blocks fit `READ_CHUNK` bytes, so that
-        the read buffer stays that size however large the batch and the context (one buffer the
-        size of a whole layer's selection was up to a layer of KV kept with the compute)."""
+        """`_read_chunk` over runs of rows whose blocks fit `READ_CHUNK` bytes: whole regions,
+        and a region that alone is over it (a long context at a small batch) in runs of its rows,
+        so that the read buffer stays that size however large the batch and the context (one
+        buffer the size of a whole layer's selection was up to a layer of KV kept with the compute).
+        Rows come sorted by file offset; a block that two runs share is read by both."""
+        per_row = self.block_size * (1 + self.coalesce_gap_blocks)  # a row's most blocks, merged gaps included
         ends = np.append(np.flatnonzero(np.diff(region)) + 1, len(pos))  # where each region's rows end
-        rows_in = np.diff(np.concatenate(([0], ends)))
-        # what a region can need in the buffer: a block (and the gaps merged) per row, at most its blocks
-        cost = np.minimum(rows_in * self.block_size * (1 + self.coalesce_gap_blocks), self.region_bytes)
         begins = np.concatenate(([0], ends[:-1]))
+        most = max(READ_CHUNK // per_row, 1)  # rows of one region per read when the region is over the chunk
+        pieces: list[tuple[int, int]] = []  # (first row, what it can need in the buffer)
+        for begin, end in zip(begins.tolist(), ends.tolist()):
+            cost = min((end - begin) * per_row, self.region_bytes)
+            if cost <= READ_CHUNK:
+                pieces.append((begin, cost))
+            else:
+                pieces.extend((a, min(end - a, most) * per_row) for a in range(begin, end, most))
         total, first, spent = (0, 0, 0, 0), 0, 0
-        for begin, c in zip(begins.tolist(), cost.tolist()):
-            if spent and spent + c > READ_CHUNK:  # this region starts the next chunk
+        for begin, c in pieces:
+            if spent and spent + c > READ_CHUNK:  # this piece starts the next chunk
                 got = self._read_chunk(region[first:begin], pos[first:begin], tail_pos, rows[first:begin])
                 total, first, spent = tuple(a + b for a, b in zip(total, got)), begin, 0
             spent += c
