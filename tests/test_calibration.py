@@ -198,7 +198,15 @@ def test_without_a_measurement_the_selector_says_how_to_get_one_and_a_whole_budg
     whole = InfiniGenConfig(budget=1.0)
     resolved = resolve_measured(whole.knobs(type(make_selector(whole, adapter, art).knobs)), art, whole)
     assert (resolved.allocation, resolved.correction_target) == ("uniform", CORRECTION_TARGETS[0])
-    store_choice(art, MeasuredChoice("calibrated", 1.25, {"uniform": 2.0, "calibrated": 1.0}, {"1.5": 1.3}, 64, 16, 1))
+    measured = dict(kl_ratio={"uniform": 2.0, "calibrated": 1.0}, target_kl_ratio={"1.5": 1.3}, context=64, scored=16)
+    # measured with the partial keys kept otherwise than today's reference (or not recorded): measured again
+    for stale in ("", "int8" if InfiniGenConfig.partial_format != "int8" else "int4"):
+        store_choice(art, MeasuredChoice("calibrated", 1.25, **measured, windows=1, partial_format=stale))
+        assert stored_choice(art) is not None
+        with pytest.raises(NotCalibratedError):
+            make_selector(InfiniGenConfig(budget=0.25), adapter, art)
+    current = MeasuredChoice("calibrated", 1.25, **measured, windows=1, partial_format=InfiniGenConfig.partial_format)
+    store_choice(art, current)
     for budget in (0.05, 0.25):
         knobs = make_selector(InfiniGenConfig(budget=budget), adapter, art).knobs
         assert (knobs.allocation, knobs.correction_target) == ("calibrated", 1.25)

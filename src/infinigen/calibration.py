@@ -33,7 +33,7 @@ from infinigen.config import InfiniGenConfig, SpeculationKnobs
 from infinigen.eval.recall import recall_observer_for
 from infinigen.eval.spread_choice import measure, runs_needed
 from infinigen.models import get_adapter
-from infinigen.select import reads_choice
+from infinigen.select import measured_choice, reads_choice
 from infinigen.skew import (
     SkewArtifact,
     SkewArtifactWarning,
@@ -45,7 +45,7 @@ from infinigen.skew import (
     model_fingerprint,
 )
 from infinigen.skew.calibrate import rope_state_kept
-from infinigen.skew.choice import REFERENCE_BUDGET, MeasuredChoice, store_choice, stored_choice
+from infinigen.skew.choice import REFERENCE_BUDGET, MeasuredChoice, store_choice
 
 
 def reference_config(config: InfiniGenConfig) -> InfiniGenConfig:
@@ -185,7 +185,7 @@ class Calibrator:
     def complete(self, session: Session, artifact: SkewArtifact, config: InfiniGenConfig) -> None:
         """Measure the choice through `session` (attached, holding `artifact`) if `config` reads it
         and `artifact` lacks it; store it, and save a cached artifact."""
-        if not reads_choice(config) or stored_choice(artifact) is not None:
+        if not reads_choice(config) or measured_choice(artifact) is not None:
             return
         choice = self.measure(session, config)
         store_choice(artifact, choice)
@@ -331,7 +331,7 @@ def report(
 
     adapter = get_adapter(model)
     lines = []
-    choice = stored_choice(artifact)
+    choice = measured_choice(artifact)
     if choice is not None:
         spreads = ", ".join(f"{name} {ratio:.2f}" for name, ratio in sorted(choice.kl_ratio.items()))
         targets = ", ".join(f"{t} {ratio:.2f}" for t, ratio in choice.target_kl_ratio.items())

@@ -151,6 +151,7 @@ def measure(session, config: InfiniGenConfig, progress: bool = True) -> Measured
         windows=len(windows),
         budget=config.resolved_budget,
         seconds=round(time.perf_counter() - started, 1),
+        partial_format=config.partial_format,
     )
 
 

@@ -27,7 +27,7 @@ from infinigen.select.infinigen import (
 from infinigen.select.oracle import OracleSelector
 from infinigen.select.quest import QuestSelector
 from infinigen.select.streaming import StreamingSelector
-from infinigen.skew.choice import CORRECTION_TARGETS, SPREADS, stored_choice
+from infinigen.skew.choice import CORRECTION_TARGETS, SPREADS, MeasuredChoice, stored_choice
 
 SELECTORS: dict[str, type[Selector]] = {
     cls.name: cls for cls in (InfiniGenSelector, H2OSelector, StreamingSelector, QuestSelector, OracleSelector)
@@ -45,7 +45,7 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
     if cls is InfiniGenSelector:
         if artifact is None:
             raise ValueError("the infinigen selector needs the skew artifact of an attach session")
-        measured = stored_choice(artifact) if reads_choice(config) else None
+        measured = measured_choice(artifact) if reads_choice(config) else None
         knobs = resolve_measured(knobs, artifact, config)
         selecting = selecting_layers(config, adapter)
         counts = layer_channels_from_artifact(artifact, knobs, selecting, adapter.head_dim)
@@ -65,6 +65,13 @@ def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool 
 
 class NotCalibratedError(ValueError):
     """The artifact lacks the calibration's measured choice that a setting left to it reads."""
+
+
+def measured_choice(artifact) -> MeasuredChoice | None:
+    """The calibration's choice stored in `artifact`, if it was measured at today's reference
+    settings (`calibration.reference_config`: every setting but the artifact's own at its default,
+    the partial keys' format included); None otherwise, and calibration measures it again."""
+    return stored_choice(artifact, partial_format=InfiniGenConfig.partial_format)
 
 
 def reads_choice(config: InfiniGenConfig) -> bool:
@@ -88,7 +95,7 @@ def resolve_measured(knobs, artifact, config: InfiniGenConfig):
     them (`reads_choice`), else by the uniform spread and the least correction."""
     spread, target = SPREADS[0], CORRECTION_TARGETS[0]
     if reads_choice(config):
-        choice = stored_choice(artifact)
+        choice = measured_choice(artifact)
         if choice is None:
             raise NotCalibratedError(
                 "this skew artifact holds no measured budget spread and correction target (allocation 'auto', "

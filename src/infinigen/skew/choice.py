@@ -48,6 +48,7 @@ class MeasuredChoice:
     windows: int
     budget: float = REFERENCE_BUDGET
     seconds: float = field(default=0.0, compare=False)
+    partial_format: str = ""  # how the partial keys were kept when it was measured ("": not recorded)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -78,15 +79,18 @@ class MeasuredChoice:
         }
 
 
-def stored_choice(artifact) -> MeasuredChoice | None:
-    """The choice `artifact` holds (None: not measured yet, or unreadable)."""
+def stored_choice(artifact, partial_format: str | None = None) -> MeasuredChoice | None:
+    """The choice `artifact` holds (None: not measured yet, unreadable, or, when `partial_format`
+    is given, measured with the partial keys kept otherwise: a choice is measured at the reference
+    settings of its time, and one of another format is measured again)."""
     text = artifact.meta.get(META_KEY)
     if text is None:
         return None
     try:
-        return MeasuredChoice.from_json(text)
+        choice = MeasuredChoice.from_json(text)
     except (ValueError, KeyError, TypeError):
         return None
+    return choice if partial_format is None or choice.partial_format == partial_format else None
 
 
 def store_choice(artifact, choice: MeasuredChoice) -> None:
