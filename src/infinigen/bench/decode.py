@@ -184,11 +184,15 @@ def run_child(args: argparse.Namespace) -> dict:
     reference = getattr(torch, args.kv_reference) if args.kv_reference not in (None, "None") else torch.float32
     global_layers = len(adapter.global_layers)  # local (sliding-window) layers hold only their window
     kv_bytes = global_layers * 2 * b * adapter.num_kv_heads * context * adapter.head_dim * itemsize
-    local_bytes = sum(
-        2 * b * adapter.num_kv_heads * min(context + steps, adapter.window(i) - 1) * adapter.head_dim * 4
-        for i in range(adapter.num_layers)
-        if adapter.is_local(i)
-    )  # with the compute, in fp32 (what every policy keeps of a local layer)
+    # what the local (sliding-window) layers keep with the compute: as counted by the cache (in the
+    # KV's storage dtype); transformers' own cache (dense-hf) keeps the window as computed
+    local_bytes = s["memory"]["compute_parts"].get("local_layers")
+    if local_bytes is None:
+        local_bytes = sum(
+            2 * b * adapter.num_kv_heads * min(context + steps, adapter.window(i) - 1) * adapter.head_dim * 4
+            for i in range(adapter.num_layers)
+            if adapter.is_local(i)
+        )
     dense = hf_dense or cfg.spec.placement == "compute"
     tokens_total = steps * b
     return {

@@ -1,0 +1,36 @@
+"""`infinigen bench decode` end to end on a tiny hybrid model folder: a row reports what the
+sliding-window layers keep as the cache counts it (in the KV's storage dtype), beside dense's."""
+
+import json
+
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from conftest import _HYBRID, WINDOW, _byte_tokenizer, run_cli
+
+
+def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys):
+    tokenizer = _byte_tokenizer()
+    torch.manual_seed(0)
+    heads, head_dim = 2, 24
+    cfg = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=len(_HYBRID),
+        num_attention_heads=4, num_key_value_heads=heads, head_dim=head_dim, query_pre_attn_scalar=20,
+        sliding_window=WINDOW, layer_types=_HYBRID, max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    folder = tmp_path / "tiny-gemma3"
+    Gemma3ForCausalLM(cfg).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "bench"
+    rc, _, err = run_cli(
+        capsys, "bench", "decode", "--model", str(folder), "--contexts", "64", "--batches", "2", "--steps", "2",
+        "--policies", "dense,full", "--out", str(out),
+    )  # fmt: skip
+    assert rc == 0, err
+    rows = {r["policy"]: r for r in json.loads((out / "bench_decode.json").read_text())["rows"]}
+    local = _HYBRID.count("sliding_attention")
+    window = 2 * 2 * heads * (WINDOW - 1) * head_dim  # K and V of every batch row's window, per byte of a value
+    assert rows["dense"]["local_kv_bytes"] == local * window * 4  # as computed: fp32
+    assert rows["full"]["local_kv_bytes"] == local * window * 2  # the KV's storage dtype: fp16
+    assert rows["full"]["compute_parts"]["local_layers"] == rows["full"]["local_kv_bytes"]
