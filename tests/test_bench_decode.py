@@ -25,7 +25,7 @@ def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys
     out = tmp_path / "bench"
     rc, _, err = run_cli(
         capsys, "bench", "decode", "--model", str(folder), "--contexts", "64", "--batches", "2", "--steps", "2",
-        "--policies", "dense,full", "--out", str(out),
+        "--policies", "dense,dense-hf,full", "--out", str(out),
     )  # fmt: skip
     assert rc == 0, err
     rows = {r["policy"]: r for r in json.loads((out / "bench_decode.json").read_text())["rows"]}
@@ -34,3 +34,5 @@ def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys
     assert rows["dense"]["local_kv_bytes"] == local * window * 4  # as computed: fp32
     assert rows["full"]["local_kv_bytes"] == local * window * 2  # the KV's storage dtype: fp16
     assert rows["full"]["compute_parts"]["local_layers"] == rows["full"]["local_kv_bytes"]
+    assert rows["dense-hf"]["local_kv_bytes"] == local * window * 4  # transformers' cache: as computed
+    assert all(r["correction_ms_per_step"] == 0.0 for r in rows.values())  # nothing here tops up

@@ -111,7 +111,8 @@ class _HFDense:
         held = sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values) if t is not None)
         return {"memory": {"compute_kv_bytes": held, "compute_parts": {"dense_layers": held}, "tier_kv_bytes": 0},
                 "bytes_fetched": 0, "bytes_cached": 0, "read_amplification": None, "fetched_fraction": None,
-                "speculation_seconds": 0.0, "wait_seconds": 0.0, "per_layer": [], "reads": 0}  # fmt: skip
+                "speculation_seconds": 0.0, "wait_seconds": 0.0, "correction_seconds": 0.0, "correction_bytes": 0,
+                "per_layer": [], "reads": 0}  # fmt: skip
 
 
 @torch.no_grad()
@@ -209,6 +210,10 @@ def run_child(args: argparse.Namespace) -> dict:
         "fetched_fraction": s["fetched_fraction"],
         "speculation_ms_per_step": 1000 * s["speculation_seconds"] / steps,
         "speculation_pct": 100 * s["speculation_seconds"] / sum(step_times) if step_times else 0.0,
+        # the correction's top-ups: chosen from the layer's own query, then read (the compute waits on both)
+        "correction_ms_per_step": 1000 * s["correction_seconds"] / steps,
+        "correction_pct": 100 * s["correction_seconds"] / sum(step_times) if step_times else 0.0,
+        "correction_bytes_per_token": s["correction_bytes"] / tokens_total if not dense else 0.0,
         "wait_ms_per_step": 1000 * s["wait_seconds"] / steps,
         "wait_pct": 100 * s["wait_seconds"] / sum(step_times) if step_times else 0.0,
         "wait_ms_per_layer": [1000 * p["wait_seconds"] / steps for p in s["per_layer"]],
