@@ -98,8 +98,9 @@ def resolve_measured(knobs, artifact, config: InfiniGenConfig):
         choice = measured_choice(artifact)
         if choice is None:
             raise NotCalibratedError(
-                "this skew artifact holds no measured budget spread and correction target (allocation 'auto', "
-                "correction_target unset): calibrate it with `infinigen skew`, or attach with `infinigen.attach`, "
+                "this skew artifact holds no budget spread and correction target (allocation 'auto', "
+                "correction_target unset) measured at today's reference settings: calibrate it with `infinigen skew`, "
+                "or attach with `infinigen.attach`, "
                 f"which calibrates on first use; or set allocation to one of {', '.join(SPREADS)} and "
                 "correction_target to a number"
             )
