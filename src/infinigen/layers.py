@@ -214,18 +214,19 @@ class LocalLayer(SessionLayer):
             self.lazy_initialization(key_states, value_states)
         full_k = _widened(self.keys, key_states, self.keys.shape[2])
         full_v = _widened(self.values, value_states, self.values.shape[2])
-        self.keys, self.values = self._window(self.keys, key_states), self._window(self.values, value_states)
+        self.keys, self.values = self._window(self.keys, full_k), self._window(self.values, full_v)
         self.length += key_states.shape[2]
         self.peak_bytes = max(self.peak_bytes, 2 * self.keys.numel() * self.keys.element_size())
         return full_k, full_v
 
-    def _window(self, kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """The last `window` - 1 positions of what it kept and `new`, in the kept dtype: a tensor
-        of its own, never a view of a longer one (a prefill's whole prompt)."""
-        keep = self.window - 1
-        n = new.shape[2]
-        old = kept[:, :, max(kept.shape[2] + n - keep, 0) :] if n < keep else kept[:, :, :0]
-        return torch.cat([old, new[:, :, max(n - keep, 0) :].to(kept.dtype)], dim=-2)
+    def _window(self, kept: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """The last `window` - 1 positions of `full` (what it kept, then the new positions) in the
+        kept dtype: a view of the step's tensor when that is the kept dtype (a copy after a prefill,
+        never a view of the whole prompt), else the stored copy."""
+        last = full[:, :, max(full.shape[2] - (self.window - 1), 0) :]
+        if last.dtype != kept.dtype:
+            return last.to(kept.dtype)
+        return last.clone() if full.shape[2] - kept.shape[2] > 1 else last
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv length, kv offset) of what `update` will return, as the sliding mask needs them."""

@@ -108,8 +108,12 @@ class _HFDense:
         return self.cache.get_seq_length()
 
     def summary(self) -> dict:
-        held = sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values) if t is not None)
-        return {"memory": {"compute_kv_bytes": held, "compute_parts": {"dense_layers": held}, "tier_kv_bytes": 0},
+        parts = {"dense_layers": 0, "local_layers": 0}  # what its layers hold, as computed
+        for layer in self.cache.layers:
+            part = "local_layers" if getattr(layer, "is_sliding", False) else "dense_layers"
+            parts[part] += sum(t.nbytes for t in (layer.keys, layer.values) if t is not None)
+        held = sum(parts.values())
+        return {"memory": {"compute_kv_bytes": held, "compute_parts": parts, "tier_kv_bytes": 0},
                 "bytes_fetched": 0, "bytes_cached": 0, "read_amplification": None, "fetched_fraction": None,
                 "speculation_seconds": 0.0, "wait_seconds": 0.0, "correction_seconds": 0.0, "correction_bytes": 0,
                 "per_layer": [], "reads": 0}  # fmt: skip
@@ -185,15 +189,7 @@ def run_child(args: argparse.Namespace) -> dict:
     reference = getattr(torch, args.kv_reference) if args.kv_reference not in (None, "None") else torch.float32
     global_layers = len(adapter.global_layers)  # local (sliding-window) layers hold only their window
     kv_bytes = global_layers * 2 * b * adapter.num_kv_heads * context * adapter.head_dim * itemsize
-    # what the local (sliding-window) layers keep with the compute: as counted by the cache (in the
-    # KV's storage dtype); transformers' own cache (dense-hf) keeps the window as computed
-    local_bytes = s["memory"]["compute_parts"].get("local_layers")
-    if local_bytes is None:
-        local_bytes = sum(
-            2 * b * adapter.num_kv_heads * min(context + steps, adapter.window(i) - 1) * adapter.head_dim * 4
-            for i in range(adapter.num_layers)
-            if adapter.is_local(i)
-        )
+    local_bytes = s["memory"]["compute_parts"]["local_layers"]  # the sliding-window layers, as each cache counts
     dense = hf_dense or cfg.spec.placement == "compute"
     tokens_total = steps * b
     return {
