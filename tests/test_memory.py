@@ -62,6 +62,20 @@ def test_full_fetch_keeps_two_layers_of_rows_and_the_tier_holds_the_rest():
     assert report.tier == "ram"
 
 
+@pytest.mark.parametrize("policy", ["infinigen", "quest"])
+def test_selected_rows_land_in_the_kvs_own_16_bits_and_int4_rows_in_the_compute_dtype(policy):
+    """A selection's rows are read back as stored (16 bits: half of fp32's buffers) and widened a
+    slice at a time while attended; a layer read whole lands in the compute dtype, with the new
+    token after it, for the model's own attention (whatever the storage: 16 bits, int4)."""
+    model = tiny_model("llama")
+
+    def held(policy: str, kv: str) -> int:
+        return _run(model, InfiniGenConfig(policy=policy, kv_dtype=kv))[0].parts["transfer_buffers"]
+
+    assert 0 < held(policy, "float16") and 2 * held(policy, "float16") == held(policy, "float32")
+    assert held("full", "float16") == held("full", "float32") == held("int4", "float16")
+
+
 def test_the_disk_tiers_of_a_cache_share_one_read_buffer_and_report_their_block_cache():
     """Reads run one at a time on the cache's I/O thread: one buffer, not one per layer (which held
     twice dense's KV for full fetch at 4K). The block cache holds `block_cache` of each layer's blocks."""

@@ -28,6 +28,7 @@ from infinigen.errors import InputError
 from infinigen.memory import PARTS, format_bytes
 from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
+from infinigen.storage import rows_dtype
 from infinigen.storage.disk import READ_CHUNK, STAGE_KEEP, block_size, default_directory, record_bytes
 
 # The fewest positions per read when a plan chunks every-row reads (128 KiB a region at d = 64).
@@ -55,8 +56,9 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
     """Bytes each part of `memory.PARTS` will hold with the compute at the end of `request`."""
     b, n = request.batch, request.positions
     hkv, d = adapter.num_kv_heads, adapter.head_dim
-    compute_item = _itemsize(compute_dtype)
     kv_dtype = config.storage_dtype() or compute_dtype
+    compute_item = _itemsize(compute_dtype)
+    rows_item = _itemsize(rows_dtype(config.spec.fmt, kv_dtype, compute_dtype))  # a selection's rows
     parts = dict.fromkeys(PARTS, 0)
     roles = [config.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
     offloaded = [i for i, r in enumerate(roles) if r.offloaded]
@@ -68,34 +70,55 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
             parts["local_layers"] += b * hkv * min(n, adapter.window(i) - 1) * d * 2 * _itemsize(kv_dtype)
         elif role == Role.SELECT and selector is not None:
             parts["speculation_state"] += selector.state_bytes(i, b, n, n, kv_dtype)  # reserved for n
-    rows = transfer_rows(config, adapter, selector, n)
-    if rows:  # two pairs (K and V), reserved for the most rows a step reads (transfer.RowBuffers)
-        parts["transfer_buffers"] = 2 * 2 * b * hkv * rows * d * compute_item
+    held = transfer_rows(config, adapter, selector, n)
+    pair = 2 * b * hkv * d  # elements of one row slot, K and V
+    # a pair per parity and kind, reserved for the most rows a step reads (transfer.RowBuffers)
+    parts["transfer_buffers"] = pair * (
+        len(held.stored_parities) * held.stored * rows_item + len(held.whole_parities) * held.whole * compute_item
+    )
     chunked = {i % 2 for i, r in enumerate(roles) if r == Role.FETCH_ALL} if config.fetch_chunk else set()
     # a layer read in chunks lands the next chunk in a second pair of its parity (one chunk)
-    parts["transfer_buffers"] += len(chunked) * 2 * b * hkv * min(config.fetch_chunk, n) * d * compute_item
+    parts["transfer_buffers"] += len(chunked) * pair * min(config.fetch_chunk, n) * rows_item
     parts["metadata"] = b * 2 * n  # which positions are real (bool), grown by doubling
     if offloaded and config.spec.placement == "offload" and config.tier == "disk" and config.spec.fmt != "int4":
         every_row = any(roles[i] == Role.FETCH_ALL for i in offloaded)
-        _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, rows, every_row)
+        _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, max(held.stored, held.whole), every_row)
     return parts
 
 
-def transfer_rows(config, adapter, selector, positions: int) -> int:
-    """The most rows one step of any offloaded layer reads, the new token included (what the
-    transfer buffers hold); 0 when nothing is offloaded."""
-    most = 0
+@dataclass(frozen=True)
+class TransferRows:
+    """The most rows one step of an offloaded layer reads, by the kind of buffer they land in
+    (`transfer.RowBuffers`): `stored`, a selection's rows or a chunk of every row, in the tier's
+    dtype; `whole`, every row of a layer read at once and the new token, in the compute dtype.
+    The parities say which of the two pairs of each kind some layer uses."""
+
+    stored: int = 0
+    whole: int = 0
+    stored_parities: frozenset[int] = frozenset()
+    whole_parities: frozenset[int] = frozenset()
+
+
+def transfer_rows(config, adapter, selector, positions: int) -> TransferRows:
+    """What the transfer buffers of a generation reaching `positions` hold (all zero when nothing
+    is offloaded)."""
+    stored = whole = 0
+    stored_parities: set[int] = set()
+    whole_parities: set[int] = set()
     for i in range(adapter.num_layers):
         role = config.layer_role(i, local=adapter.is_local(i))
         if not role.offloaded:
             continue
         if role == Role.SELECT and selector is not None:
-            most = max(most, min(selector.max_rows(i, positions), positions) + 1)
+            stored = max(stored, min(selector.max_rows(i, positions), positions))
+            stored_parities.add(i % 2)
         elif config.fetch_chunk:
-            most = max(most, min(config.fetch_chunk, positions))  # every row, a chunk at a time
+            stored = max(stored, min(config.fetch_chunk, positions))  # every row, a chunk at a time
+            stored_parities.add(i % 2)
         else:
-            most = max(most, positions)  # every row: the past ones and the new token
-    return most
+            whole = max(whole, positions)  # every row: the past ones and the new token
+            whole_parities.add(i % 2)
+    return TransferRows(stored, whole, frozenset(stored_parities), frozenset(whole_parities))
 
 
 def _disk_parts(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from infinigen.budget import MemoryBudgetError, Plan, transfer_rows
+from infinigen.budget import MemoryBudgetError, Plan, TransferRows, transfer_rows
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InfiniGenError
 from infinigen.layers import (
@@ -124,12 +124,12 @@ class InfiniGenCache(SessionCache):
         self.counters = CacheCounters(trace=[] if trace else None)
         # Selection and fetch of a layer run here while the compute thread finishes the layer before.
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="infinigen-prefetch") if selector else None
-        rows = transfer_rows(config, adapter, selector, max_length) if max_length is not None else 0
+        rows = transfer_rows(config, adapter, selector, max_length) if max_length is not None else TransferRows()
         self._shared = Shared(
             self.storage,
             self.positions,
             self.counters,
-            RowBuffers(rows, min(config.fetch_chunk, max_length or config.fetch_chunk)),
+            RowBuffers(rows.stored, min(config.fetch_chunk, max_length or config.fetch_chunk), rows.whole),
             prefetch=self.prefetch,
             observer=observer,
             fetch_chunk=config.fetch_chunk,

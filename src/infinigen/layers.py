@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from infinigen.attention import attend_selection, attend_selection_output, attention_scaling, dense_attention
+from infinigen.attention import attend_stored, attention_scaling, dense_attention
 from infinigen.layer_selector import LayerSelector, with_top_up
 from infinigen.roles import Role
 from infinigen.select import Selector
@@ -39,6 +39,7 @@ from infinigen.transfer import (
     Planned,
     Recorder,
     RowBuffers,
+    Rows,
     Transfer,
     fetched_fraction,
 )
@@ -309,7 +310,8 @@ class OffloadedLayer(SessionLayer):
         self.length = 0
         self.record = Recorder(settings.index, shared.counters)
         self._transfer: Transfer | None = None
-        self._selection: Selection | None = None  # what the current step attends, with the new token
+        self._selection: Selection | None = None  # what the current step attends
+        self._new: Rows | None = None  # a decode step's own K and V, as computed (attended beside the rows)
         self._first_chunk: tuple[Fetched, int] | None = None  # read in chunks: the first, and the past
 
     @property
@@ -362,8 +364,8 @@ class OffloadedLayer(SessionLayer):
         selection = self.selecting.select(self._query(x, position_embeddings), past, valid)
         self.record.speculated(time.perf_counter() - start)
         self.record.issued(issued_at, past, selection)
-        out = self._room(selection.indices.shape[2] + 1)
-        rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self.dtype, out=out)
+        out = self._room(selection.indices.shape[2])
+        rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self._rows_dtype, out=out)
         # The compute thread waits on `rows` (a device transfer orders that thread's stream).
         return Planned(rows, selection, float(fetched_fraction(selection, self._context(past))))
 
@@ -378,18 +380,29 @@ class OffloadedLayer(SessionLayer):
                 position_embeddings = tuple(t.to(self.device) for t in position_embeddings)
         return self.selecting.query(x, position_embeddings)[:, :, -1]
 
-    def _room(self, rows: int, second: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's transfer buffers with room for `rows` (see `RowBuffers`)."""
-        return self.shared.buffers.room(self.index, self.tier, rows, self.dtype, self.device, second)
+    @property
+    def _rows_dtype(self) -> torch.dtype:
+        """What a selection's rows, or a chunk of every row, are read back as: the tier's own
+        dtype (16 bits for 16-bit KV), widened a slice at a time while attended
+        (`attention.attend_stored`, `_attend_chunks`)."""
+        return self.tier.rows_dtype(self.dtype)
+
+    def _room(self, rows: int, second: bool = False, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's transfer buffers with room for `rows` (see `RowBuffers`): `whole`, for
+        every row of the past and the new token in the compute dtype (the model attends them)."""
+        dtype = self.dtype if whole else self._rows_dtype
+        return self.shared.buffers.room(self.index, self.tier, rows, dtype, self.device, second, whole)
 
     def _every_row_step(self, past: int, issued_at: int) -> Transfer:
         """A decode step's read of every row: the whole past at once, or its first chunk when
         the layer reads in chunks (the others are read while it attends, `_attend_chunks`)."""
         chunk = self.shared.fetch_chunk
         if chunk <= 0:
-            return Transfer.every_row(self.tier, past, self.device, self.dtype, self._room(past + 1), issued_at)
+            return Transfer.every_row(
+                self.tier, past, self.device, self.dtype, self._room(past + 1, whole=True), issued_at
+            )
         stop = min(chunk, past)
-        return Transfer.chunk(self.tier, 0, stop, self.device, self.dtype, self._room(stop), issued_at)
+        return Transfer.chunk(self.tier, 0, stop, self.device, self._rows_dtype, self._room(stop), issued_at)
 
     def _valid(self, past: int) -> torch.Tensor:
         """[B, Hkv, past]: the positions that exist for each KV head (real, still stored);
@@ -409,12 +422,15 @@ class OffloadedLayer(SessionLayer):
 
     # ------------------------------------------------------------------ transformers' layer API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new KV and return what this step attends: the rows read back (waited on
-        here, and only here) followed by the new positions; at the prefill, the new KV itself."""
+        """Store the new KV and return what this step attends: at the prefill, the new KV itself;
+        at a decode step that reads every row, those rows followed by the new positions (what
+        the model's attention takes); at a step that attends a selection, the selected rows
+        alone, as stored (the step's own K and V are kept beside them, as computed, and attended
+        with them in `attend`). Rows are waited on here, and only here."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
-        self._selection, self._first_chunk = None, None
+        self._selection, self._first_chunk, self._new = None, None, None
         past = self.length
         fetched = self._wait(n)
         self._append(key_states, value_states)
@@ -427,7 +443,19 @@ class OffloadedLayer(SessionLayer):
             self._first_chunk = (fetched, past)  # the rest is read while attending (`_attend_chunks`)
             return key_states, value_states
         self._selection = fetched.selection
-        return self._place(fetched.rows[0].shape[2], key_states, value_states)
+        if self._selection is None:  # every row: the model's own attention over them and the new token
+            return self._place(fetched.rows[0].shape[2], key_states, value_states)
+        self._new = (key_states, value_states)
+        return fetched.rows
+
+    def _place(self, m: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The new positions, written after the m rows read back (every row of the past, in the
+        compute dtype), in the buffers they landed in: what transformers' `update` returns."""
+        n = key_states.shape[2]
+        k_rows, v_rows = self._room(m + n, whole=True)  # the fetched rows are its first m slots already
+        k_rows[:, :, m : m + n] = key_states
+        v_rows[:, :, m : m + n] = value_states
+        return k_rows[:, :, : m + n], v_rows[:, :, : m + n]
 
     def _wait(self, n: int) -> Fetched | None:
         """This step's rows: the transfer issued for it or, for a prefill chunk after the first
@@ -461,14 +489,6 @@ class OffloadedLayer(SessionLayer):
         if self.selecting is not None:
             self.selecting.append(key_states, new_valid)
         self.length += n
-
-    def _place(self, m: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """The new positions, written after the m rows read back, in the buffers they landed in."""
-        n = key_states.shape[2]
-        k_rows, v_rows = self._room(m + n)  # the fetched rows are its first m slots already
-        k_rows[:, :, m : m + n] = key_states
-        v_rows[:, :, m : m + n] = value_states
-        return k_rows[:, :, : m + n], v_rows[:, :, : m + n]
 
     # ------------------------------------------------------------------ attend
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -513,7 +533,7 @@ class OffloadedLayer(SessionLayer):
                 second = not second
                 after = min(stop + self.shared.fetch_chunk, past)
                 out_rows = self._room(after - stop, second)
-                later = Transfer.chunk(self.tier, stop, after, self.device, self.dtype, out_rows, self.index)
+                later = Transfer.chunk(self.tier, stop, after, self.device, self._rows_dtype, out_rows, self.index)
             scores = torch.matmul(q, rows[0].to(torch.float32).transpose(-1, -2))  # [B, Hkv, G, c]
             if masked:
                 scores = scores.masked_fill(~present[:, :, None, start:stop], -math.inf)
@@ -539,10 +559,8 @@ class OffloadedLayer(SessionLayer):
         extra = self.selecting.top_up(query[:, :, -1], past, self._valid(past), self._selection)
         if extra is None:
             return key, value
-        k_x, v_x = self.tier.gather_async(extra.indices, extra.valid, self.device, self.dtype).result()
-        m = self._selection.indices.shape[-1]
-        key = torch.cat([key[:, :, :m], k_x.to(key.dtype), key[:, :, m:]], 2)
-        value = torch.cat([value[:, :, :m], v_x.to(value.dtype), value[:, :, m:]], 2)
+        k_x, v_x = self.tier.gather_async(extra.indices, extra.valid, self.device, key.dtype).result()
+        key, value = torch.cat([key, k_x], 2), torch.cat([value, v_x], 2)
         self._selection = with_top_up(self._selection, extra)
         rows = int(extra.valid.sum())
         fraction = float(fetched_fraction(extra, self._context(past)))  # the step fetched these too
@@ -552,13 +570,11 @@ class OffloadedLayer(SessionLayer):
     def _attend_selection(self, query, key, value, scaling: float) -> torch.Tensor:
         """Softmax over the selected rows and the current token; the selector sees the weights
         if it looks at them (H2O accumulates them)."""
-        sel = self._selection
-        valid = torch.cat([sel.valid, sel.valid.new_ones(*sel.valid.shape[:2], query.shape[2])], -1)
-        if not self.selecting.observes:
-            return attend_selection_output(query, key, value, valid, scaling)
-        out, probs = attend_selection(query, key, value, valid, scaling)
-        p = probs[:, :, -1]
-        self.selecting.observe(sel, p[..., :-1], p[..., -1])
+        sel, observes = self._selection, self.selecting.observes
+        out, probs = attend_stored(query, (key, value), sel.valid, self._new, scaling, weights=observes)
+        if observes:
+            p = probs[:, :, -1]
+            self.selecting.observe(sel, p[..., :-1], p[..., -1])
         return out
 
     def _notify(self, query: torch.Tensor, scaling: float) -> None:

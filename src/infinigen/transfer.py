@@ -102,34 +102,39 @@ class Transfer:
 
 
 class RowBuffers:
-    """Where transfers land: [B, Hkv, >= rows, d] buffers in the compute dtype, written once by
-    the tier (converted where the rows land) and then by the new token, so that a step copies
-    each row once; grown by doubling. Layers of one cache share two pairs, by the parity of their
+    """Where transfers land: [B, Hkv, >= rows, d] buffers, written once by the tier and grown by
+    doubling. Two kinds: a selection's rows (and a chunk of every row) in the dtype the tier
+    stores them in, attended as they are and widened a slice at a time; and every row of a layer
+    read whole (`whole`), in the compute dtype, followed by the new token, which the model's own
+    attention takes. Layers of one cache share two pairs of each kind, by the parity of their
     index: layer i's transfer is issued during layer i - 1 and read by layer i's attention,
     after which layer i + 2 may reuse them. Slots a ragged selection leaves unused hold finite
-    stale rows, which attention masks out. A model split across devices gets two pairs per
+    stale rows, which attention masks out. A model split across devices gets its pairs per
     device: a layer's buffers live where it computes."""
 
-    def __init__(self, reserve: int = 0, chunk: int = 0) -> None:
-        """reserve: rows to make room for at the first use (the most a step of the planned
-        generation reads, `budget.transfer_rows`), so that the buffers never grow. chunk: the
-        positions a layer read in chunks reads at a time (`fetch_chunk`): such a layer attends one
-        chunk from its parity's pair while the next lands in a second pair of that parity
-        (`second=True`), which holds one chunk."""
-        self._pairs: dict[tuple[int, bool, str], Rows] = {}
-        self.reserve, self.chunk = reserve, chunk
+    def __init__(self, reserve: int = 0, chunk: int = 0, reserve_whole: int = 0) -> None:
+        """reserve, reserve_whole: rows to make room for at the first use of each kind (the most a
+        step of the planned generation reads, `budget.transfer_rows`), so that the buffers never
+        grow. chunk: the positions a layer read in chunks reads at a time (`fetch_chunk`): such a
+        layer attends one chunk from its parity's pair while the next lands in a second pair of
+        that parity (`second=True`), which holds one chunk."""
+        self._pairs: dict[tuple[int, bool, bool, str], Rows] = {}
+        self.reserve, self.chunk, self.reserve_whole = reserve, chunk, reserve_whole
 
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self._pairs.values())
 
-    def room(self, layer: int, like: KVTier, rows: int, dtype, device, second: bool = False) -> Rows:
-        key = (layer % 2, second, str(torch.device(device)))
+    def room(
+        self, layer: int, like: KVTier, rows: int, dtype, device, second: bool = False, whole: bool = False
+    ) -> Rows:
+        key = (layer % 2, second, whole, str(torch.device(device)))
         pair = self._pairs.get(key)
         have = 0 if pair is None else pair[0].shape[2]
         same_kind = pair is not None and pair[0].dtype == dtype and pair[0].shape[:2] == (like.batch, like.kv_heads)
         if not same_kind or rows > have:
-            size = max(rows, self.chunk) if second else max(rows, 2 * have if same_kind else self.reserve)
+            reserve = self.reserve_whole if whole else self.reserve
+            size = max(rows, self.chunk) if second else max(rows, 2 * have if same_kind else reserve)
             shape = (like.batch, like.kv_heads, size, like.head_dim)
             k = torch.zeros(shape, dtype=dtype, device=device)
             v = torch.zeros_like(k)

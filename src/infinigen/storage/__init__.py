@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats
+from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats, rows_dtype
 from infinigen.storage.copyengine import COPY_ENGINES, CopyEngine, CudaCopyEngine, ThreadCopyEngine, new_copy_engine
 from infinigen.storage.disk import DiskTier, IOThreads, check_space, reserved_bytes
 from infinigen.storage.int4 import GROUP, Int4RamTier, fake_quantize_int4, int4_row_bytes
@@ -205,4 +205,5 @@ __all__ = [
     "check_combination",
     "roundtrip",
     "row_bytes",
+    "rows_dtype",
 ]

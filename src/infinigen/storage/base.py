@@ -109,6 +109,10 @@ class KVTier(ABC):
         """Bytes of one position's K and V for one KV head."""
         return 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
+    def rows_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the compute's transfer buffers hold this tier's rows in (`rows_dtype`)."""
+        return rows_dtype("native", self.dtype, compute_dtype)
+
     # ------------------------------------------------------------------ public, validated
     def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Store new positions: keys/values [B, Hkv, n, d]; `valid` [B, n] marks real tokens
@@ -267,6 +271,17 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"{x.dtype} {tuple(x.shape)}"
     return type(x).__name__
+
+
+def rows_dtype(fmt: str, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a step's rows are read back into on the compute's side. Native rows: the storage
+    dtype, which holds them exactly (half the bytes of fp32 for 16-bit KV), unless the compute's is
+    narrower. int4 rows: the compute's, since the codes are dequantized in fp32 and cast once (a
+    narrower buffer would round them a second time)."""
+    if fmt == "int4":
+        return compute_dtype
+    itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    return kv_dtype if itemsize <= torch.empty((), dtype=compute_dtype).element_size() else compute_dtype
 
 
 def _check_dtype(dtype) -> None:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from infinigen.storage.base import KVTier, TransferStats, copy_prefix, scatter_rows
+from infinigen.storage.base import KVTier, TransferStats, copy_prefix, rows_dtype, scatter_rows
 
 LEVELS = 16
 GROUP = 64  # channels per quantization group (FlexGen's choice)
@@ -107,6 +107,9 @@ class Int4RamTier(KVTier):
     @property
     def row_bytes(self) -> int:
         return int4_row_bytes(self.head_dim, self.group)
+
+    def rows_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return rows_dtype("int4", self.dtype, compute_dtype)
 
     def stored_bytes(self) -> int:
         return sum(t.nbytes for t in (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz))

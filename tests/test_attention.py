@@ -1,0 +1,52 @@
+"""Attention over stored rows (`attention.attend_stored`): 16-bit rows widened a slice at a time
+give what one fp64 softmax over the widened rows and the step's own position gives."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from infinigen import attention
+from infinigen.attention import attend_stored, widen_rows
+
+
+def _reference(query, rows, valid, new, scaling):
+    """Softmax in float64 over every row (widened as stored) and the new position, last."""
+    b, h, _, d = query.shape
+    hkv = rows[0].shape[1]
+    q = query.reshape(b, hkv, h // hkv, d).double()
+    k = torch.cat([rows[0].double(), new[0].double()], 2)
+    v = torch.cat([rows[1].double(), new[1].double()], 2)
+    ok = torch.cat([valid, valid.new_ones(b, hkv, 1)], -1)
+    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~ok[:, :, None, :], -math.inf)
+    probs = torch.softmax(scores, -1)
+    return (probs @ v).reshape(b, 1, h, d), probs.reshape(b, h, 1, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("widen_bytes", [1, 3000, 1 << 30])  # one row a slice, a few rows, all at once
+def test_stored_rows_attended_a_slice_at_a_time_equal_one_softmax(dtype, widen_bytes, monkeypatch):
+    monkeypatch.setattr(attention, "WIDEN_BYTES", widen_bytes)
+    g = torch.Generator().manual_seed(0)
+    b, h, hkv, n, d = 2, 6, 2, 37, 16
+    query = torch.randn(b, h, 1, d, generator=g)
+    room = torch.randn(2, b, hkv, n + 5, d, generator=g).to(dtype)  # buffers with room beyond the rows
+    rows = (room[0][:, :, :n], room[1][:, :, :n])
+    valid = torch.rand(b, hkv, n, generator=g) > 0.3  # ragged: unused slots hold stale rows
+    new = (torch.randn(b, hkv, 1, d, generator=g), torch.randn(b, hkv, 1, d, generator=g))
+    out, probs = attend_stored(query, rows, valid, new, 0.25, weights=True)
+    want_out, want_probs = _reference(query, rows, valid, new, 0.25)
+    assert out.dtype == query.dtype and out.shape == (b, 1, h, d)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(probs.double(), want_probs, rtol=1e-5, atol=1e-7)
+    assert probs[..., :n].masked_select(~valid.repeat_interleave(h // hkv, 1)[:, :, None, :]).eq(0).all()
+    assert attend_stored(query, rows, valid, new, 0.25)[1] is None  # no weights unless asked
+
+
+def test_the_slices_are_bounded_and_fp32_rows_are_not_copied():
+    rows16 = torch.zeros(8, 3, 1000, 64, dtype=torch.float16)
+    step = widen_rows(rows16)
+    assert step * 8 * 3 * 64 * 4 <= attention.WIDEN_BYTES < (step + 1) * 8 * 3 * 64 * 4
+    assert widen_rows(rows16.float()) == 1000  # fp32 rows are attended in place, in one slice
