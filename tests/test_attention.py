@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
-from infinigen import attention
+from conftest import VOCAB, left_padded_batch, tiny_model
+from infinigen import InfiniGenConfig, attach, attention
 from infinigen.attention import attend_stored, widen_rows
+from infinigen.layers import ComputeLayer
 
 
 def _reference(query, rows, valid, new, scaling):
@@ -50,3 +52,38 @@ def test_the_slices_are_bounded_and_fp32_rows_are_not_copied():
     step = widen_rows(rows16)
     assert step * 8 * 3 * 64 * 4 <= attention.WIDEN_BYTES < (step + 1) * 8 * 3 * 64 * 4
     assert widen_rows(rows16.float()) == 1000  # fp32 rows are attended in place, in one slice
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_dense_layers_kept_in_16_bits_are_attended_as_stored_at_a_decode_step(padded, monkeypatch):
+    """A session's decode step hands a 16-bit dense layer's attention the past as stored (no fp32
+    copy of the layer), and decodes what the same layer widened whole gives (its mask honoured:
+    left padding is never attended)."""
+    seen: list[tuple[int, torch.dtype]] = []
+    attend = ComputeLayer.attend
+
+    def spy(self, module, query, key, value, *args, **kwargs):
+        seen.append((query.shape[2], key.dtype))
+        return attend(self, module, query, key, value, *args, **kwargs)
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch() if padded else (torch.randint(3, VOCAB, (2, 24)), None)
+    cfg = InfiniGenConfig(policy="dense", kv_dtype="float16")
+
+    def run():
+        with attach(model, cfg, progress=False) as session:
+            cache = session.new_cache()
+            return model.generate(
+                input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            )  # fmt: skip
+
+    monkeypatch.setattr(ComputeLayer, "own_input", lambda self, x, pe: None)  # no step marked: ...
+    widened = run()  # ... the reference, every call widening the whole past
+    monkeypatch.undo()
+    monkeypatch.setattr(ComputeLayer, "attend", spy)
+    stored = run()
+    assert {dt for q, dt in seen if q == 1} == {torch.float16} and {dt for q, dt in seen if q > 1} == {torch.float32}
+    assert torch.equal(stored.sequences, widened.sequences)
+    for a, b in zip(stored.logits, widened.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

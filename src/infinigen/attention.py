@@ -15,6 +15,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from infinigen.speculate import all_valid, is_all_valid
+
 ATTN_NAME = "infinigen"
 
 
@@ -88,7 +90,8 @@ def attend_stored(
         stop = min(start + step, n)
         scores[..., start:stop] = torch.matmul(q, k_rows[:, :, start:stop].to(torch.float32).transpose(-1, -2))
     scores[..., n:] = torch.matmul(q, new[0].to(torch.float32).transpose(-1, -2))
-    scores[..., :n].masked_fill_(~valid[:, :, None, :], -math.inf)
+    if not is_all_valid(valid):
+        scores[..., :n].masked_fill_(~valid[:, :, None, :], -math.inf)
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs[..., n:], new[1].to(torch.float32))  # [B, Hkv, G, d]
     for start in range(0, n, step):
@@ -96,6 +99,18 @@ def attend_stored(
         out += torch.matmul(probs[..., start:stop], v_rows[:, :, start:stop].to(torch.float32))
     out = out.to(query.dtype).reshape(b, 1, h, d)
     return out, probs.reshape(b, h, 1, n + 1) if weights else None
+
+
+def key_validity(attention_mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """[B, Hkv, n]: which of the n stored rows [B, Hkv, n, d] a decode position may attend, read
+    from the model's boolean mask over those rows and itself ([B or 1, 1, 1, n + 1]; None: all of
+    them); None when the mask is of another kind (an additive float mask)."""
+    b, hkv, n = rows.shape[:3]
+    if attention_mask is None:
+        return all_valid(b, hkv, n, rows.device)
+    if attention_mask.dtype != torch.bool:
+        return None
+    return attention_mask[:, 0, -1, :n].to(rows.device)[:, None, :].expand(b, hkv, n)
 
 
 def register_attention() -> None:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from infinigen.attention import attend_stored, attention_scaling, dense_attention
+from infinigen.attention import attend_stored, attention_scaling, dense_attention, key_validity
 from infinigen.layer_selector import LayerSelector, with_top_up
 from infinigen.roles import Role
 from infinigen.select import Selector
@@ -127,8 +127,11 @@ class ComputeLayer(SessionLayer):
     (never past `capacity`), written in place, so a decode step copies nothing it already holds.
 
     Stored in `store_dtype` when given (the KV's storage dtype: 16 bits where the model computes
-    in float32, half the bytes kept), each step's attention then reads a widened copy, made and
-    dropped per step; the first forward attends its own KV as computed, as offloaded layers do."""
+    in float32, half the bytes kept), a decode step of a session's forward attends the past as
+    stored, widened a slice at a time (`attention.attend_stored`), and its own K and V as
+    computed; any other call of `update` (a prefill, transformers' own use) gets the past widened
+    whole, followed by the new positions. The first forward attends its own KV as computed, as
+    offloaded layers do."""
 
     role = Role.COMPUTE
 
@@ -143,6 +146,11 @@ class ComputeLayer(SessionLayer):
         self.stats = LayerStats()
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        self._session_step = False  # a session's decode forward reached this layer (`own_input`)
+        self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # that step's K and V, for `attend`
+
+    def own_input(self, x: torch.Tensor, position_embeddings) -> None:
+        self._session_step = x.shape[1] == 1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -166,12 +174,25 @@ class ComputeLayer(SessionLayer):
         self._v[:, :, self.length : end] = value_states
         past, self.length = self.length, end
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        session_step, self._session_step, self._new = self._session_step, False, None
         if self._k.dtype == key_states.dtype:
             return self.keys, self.values
+        if session_step and n == 1 and past > 0:  # `attend` widens the past a slice at a time
+            self._new = (key_states, value_states)
+            return self._k[:, :, :past], self._v[:, :, :past]
         # the past as stored, widened; the new positions as computed (as an offloaded layer attends),
         # each written once into the step's tensors (a widened copy then a concatenation moved
         # the past twice: a seventh of a batch-8 step at 8K went to it)
         return _widened(self._k, key_states, past), _widened(self._v, value_states, past)
+
+    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        new, self._new = self._new, None
+        valid = None if new is None else key_validity(attention_mask, key)
+        if valid is None:
+            if new is not None:  # a mask this path does not read: the past widened whole, then the new positions
+                key, value = _widened(key, new[0], key.shape[2]), _widened(value, new[1], value.shape[2])
+            return super().attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return attend_stored(query, (key, value), valid, new, attention_scaling(query, scaling))[0], None
 
     def held_bytes(self) -> int:
         """Its preallocated buffers (room to grow included)."""
