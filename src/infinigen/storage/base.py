@@ -280,8 +280,7 @@ def rows_dtype(fmt: str, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> t
     narrower buffer would round them a second time)."""
     if fmt == "int4":
         return compute_dtype
-    itemsize = torch.empty((), dtype=kv_dtype).element_size()
-    return kv_dtype if itemsize <= torch.empty((), dtype=compute_dtype).element_size() else compute_dtype
+    return kv_dtype if kv_dtype.itemsize <= compute_dtype.itemsize else compute_dtype
 
 
 def _check_dtype(dtype) -> None:
