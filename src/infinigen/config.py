@@ -120,7 +120,7 @@ class SpeculationKnobs(SelectionBudget):
         advanced=True,
     )
     partial_ratio: float = knob(
-        0.75, "fraction r of the head dimension kept as partial channels", fraction(), advanced=True
+        0.625, "fraction r of the head dimension kept as partial channels", fraction(), advanced=True
     )
     partial_format: str = knob(
         "int4",
