@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, left_padded_batch, tiny_model
-from infinigen import InfiniGenConfig, attach, attention
+from infinigen import InfiniGenConfig, attach, attention, kernels
 from infinigen.attention import attend_stored, widen_rows
 from infinigen.layers import ComputeLayer
 
@@ -27,16 +27,27 @@ def _reference(query, rows, valid, new, scaling):
     return (probs @ v).reshape(b, 1, h, d), probs.reshape(b, h, 1, -1)
 
 
+def _use(path: str, monkeypatch) -> None:
+    """Attend through the C kernel ("c") or the tensor operations ("torch")."""
+    if path == "c" and not kernels.available():
+        pytest.skip("no C compiler: the kernel path cannot run here")
+    monkeypatch.setenv("INFINIGEN_KERNELS", "1" if path == "c" else "0")
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("widen_bytes", [1, 3000, 1 << 30])  # one row a slice, a few rows, all at once
-def test_stored_rows_attended_a_slice_at_a_time_equal_one_softmax(dtype, widen_bytes, monkeypatch):
+@pytest.mark.parametrize("n", [37, 0])  # rows a tile and a ragged one; no row (the new position alone)
+def test_stored_rows_attended_a_slice_at_a_time_equal_one_softmax(path, dtype, widen_bytes, n, monkeypatch):
+    _use(path, monkeypatch)
     monkeypatch.setattr(attention, "WIDEN_BYTES", widen_bytes)
     g = torch.Generator().manual_seed(0)
-    b, h, hkv, n, d = 2, 6, 2, 37, 16
+    b, h, hkv, d = 2, 6, 2, 16
     query = torch.randn(b, h, 1, d, generator=g)
     room = torch.randn(2, b, hkv, n + 5, d, generator=g).to(dtype)  # buffers with room beyond the rows
     rows = (room[0][:, :, :n], room[1][:, :, :n])
     valid = torch.rand(b, hkv, n, generator=g) > 0.3  # ragged: unused slots hold stale rows
+    valid[1, 0] = False  # one (batch, KV head) with no row to attend but its own position
     new = (torch.randn(b, hkv, 1, d, generator=g), torch.randn(b, hkv, 1, d, generator=g))
     out, probs = attend_stored(query, rows, valid, new, 0.25, weights=True)
     want_out, want_probs = _reference(query, rows, valid, new, 0.25)
@@ -45,6 +56,28 @@ def test_stored_rows_attended_a_slice_at_a_time_equal_one_softmax(dtype, widen_b
     torch.testing.assert_close(probs.double(), want_probs, rtol=1e-5, atol=1e-7)
     assert probs[..., :n].masked_select(~valid.repeat_interleave(h // hkv, 1)[:, :, None, :]).eq(0).all()
     assert attend_stored(query, rows, valid, new, 0.25)[1] is None  # no weights unless asked
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+@pytest.mark.parametrize("layout", ["all valid", "head dim not a multiple of 8", "keys and values apart"])
+def test_stored_rows_in_every_layout_equal_one_softmax(path, layout, monkeypatch):
+    """Every row valid (no mask read), a head dim the kernel does not take, and keys and values
+    with different strides (the kernel declines both: the tensor path attends them)."""
+    _use(path, monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    b, h, hkv, n, d = 3, 8, 2, 70, 12 if layout == "head dim not a multiple of 8" else 32
+    query = torch.randn(b, h, 1, d, generator=g)
+    keys = torch.randn(b, hkv, n, d, generator=g).half()
+    values = torch.randn(b, hkv, n + 9, d, generator=g).half()[:, :, :n]
+    if layout != "keys and values apart":
+        values = values.contiguous()
+    assert kernels.can_attend((keys, values)) == (path == "c" and layout == "all valid")
+    valid = torch.ones(b, hkv, n, dtype=torch.bool)
+    new = (torch.randn(b, hkv, 1, d, generator=g), torch.randn(b, hkv, 1, d, generator=g))
+    out, probs = attend_stored(query, (keys, values), valid, new, d**-0.5, weights=True)
+    want_out, want_probs = _reference(query, (keys, values), valid, new, d**-0.5)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(probs.double(), want_probs, rtol=1e-5, atol=1e-7)
 
 
 def test_the_slices_are_bounded_and_fp32_rows_are_not_copied():

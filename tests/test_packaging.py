@@ -14,6 +14,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from infinigen import kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -75,8 +77,8 @@ def test_wheel_carries_the_kernels_data_and_command(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (wheel,) = tmp_path.glob("infinigen_kv-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for source in ("select.c", "gather.c"):
-        assert f"infinigen/kernels/{source}" in names
+    for source in [*kernels._SOURCES, *kernels._HEADERS]:  # every file the kernels compile from
+        assert f"infinigen/kernels/{source.name}" in names
     assert "infinigen/data/areopagitica.txt" in names
     assert "infinigen/integrations/lm_eval_tasks/infinigen_needle.yaml" in names  # lm-eval's --include_path
     assert not any(n.startswith("tests/") for n in names)

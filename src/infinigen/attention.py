@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+import infinigen.kernels as kernels
 from infinigen.speculate import all_valid, is_all_valid
 
 ATTN_NAME = "infinigen"
@@ -72,9 +73,9 @@ def attend_stored(
     weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of one decode position over stored rows, in the dtype they are stored in, and
-    over its own new position as computed: the rows are widened to fp32 a slice of `widen_rows`
-    positions at a time, so the transfer buffers can hold them in 16 bits with no fp32 copy of
-    the layer's rows. The scores of every row are kept (they are G / d of the rows' size), so
+    over its own new position as computed: the rows are widened to fp32 in the C kernel's
+    registers (`kernels.attend`), or without it a slice of `widen_rows` positions at a time, so
+    the transfer buffers can hold them in 16 bits with no fp32 copy of the layer's rows. The scores of every row are kept (they are G / d of the rows' size), so
     the softmax is exact, not carried.
 
     query [B, H, 1, d]; rows (k, v) [B, Hkv, n, d]; valid [B, Hkv, n] (False: a padding slot or
@@ -84,6 +85,9 @@ def attend_stored(
     k_rows, v_rows = rows
     hkv, n = k_rows.shape[1], k_rows.shape[2]
     q = query.reshape(b, hkv, h // hkv, d).to(torch.float32) * scaling  # head j of KV head j // G
+    if kernels.can_attend(rows):  # the same math, the rows widened in registers (attend.c)
+        out, probs = kernels.attend(q, rows, None if is_all_valid(valid) else valid, new, weights)
+        return out.to(query.dtype).reshape(b, 1, h, d), probs.reshape(b, h, 1, n + 1) if weights else None
     step = widen_rows(k_rows)
     scores = torch.empty(b, hkv, h // hkv, n + 1, dtype=torch.float32, device=query.device)
     for start in range(0, n, step):

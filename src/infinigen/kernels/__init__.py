@@ -5,7 +5,8 @@ disk gather a dozen more plus one system call per read; each costs microseconds 
 and holds the interpreter lock, which on a CPU adds up to a large share of a step. `select.c`
 does the selection rule in one pass; `gather.c` does a disk tier's gather (RAM tail, block
 cache, coalesced reads all in flight through Linux AIO, row assembly) without the interpreter
-lock. They are plain C99 built with the system C compiler (``$CC``, else ``cc``) for the CPU
+lock; `attend.c` attends a decode position over rows as stored in 16 bits, widening them in
+registers instead of through a float copy. They are plain C99 built with the system C compiler (``$CC``, else ``cc``) for the CPU
 they run on, cached under the infinigen cache folder keyed by the sources, the compiler flags
 and the CPU, and called through ctypes (no Python headers). Without a compiler, or with
 ``INFINIGEN_KERNELS=0``, `available()` is False and callers use their Python code (tensor
@@ -29,7 +30,8 @@ import torch
 
 from infinigen.paths import default_cache_dir
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c", "attend.c")]
+_HEADERS = [Path(__file__).with_name("numeric.h")]
 AGGREGATIONS = {"max": 0, "union": 1, "sum": 2, "mass": 3}
 # The partial keys' formats the selection kernel reads (widened to float32 as it scores); int8:
 # quantized codes, uint8: two 4-bit codes per byte (both with per-position scales,
@@ -68,7 +70,7 @@ def _compile() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC)")
-    source = b"".join(src.read_bytes() for src in _SOURCES)
+    source = b"".join(src.read_bytes() for src in [*_SOURCES, *_HEADERS])
     folder = default_cache_dir() / "kernels"
     errors = []
     for flags in _FLAG_SETS:
@@ -98,6 +100,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ig_select.argtypes += [p, p, p, p, p]
     lib.ig_top_up.restype = i64
     lib.ig_top_up.argtypes = [p, cint, i64, i64, p, p, p, i64, i64, i64, i64, p, cint, p, p, p, p, p, p, p]
+    lib.ig_attend.restype = None
+    lib.ig_attend.argtypes = [p, p, cint, i64, i64, i64, i64, i64, i64, i64, i64, p, p, p, p, p, i64, p, p]
     lib.ig_widen.restype = None
     lib.ig_widen.argtypes = [p, cint, i64, p]
     u64 = ctypes.c_uint64
@@ -166,6 +170,62 @@ def widen(keys: torch.Tensor) -> torch.Tensor:
     out = torch.empty(keys.shape, dtype=torch.float32)
     lib.ig_widen(keys.data_ptr(), KEY_FORMATS[keys.dtype], keys.numel(), out.data_ptr())
     return out
+
+
+ATTEND_LANES = 8  # attend.c reads head dims that are a multiple of this
+_ATTEND_TILE = 32  # attend.c's ATT_TILE
+
+
+def can_attend(rows: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether `attend` reads these stored rows (k, v) [B, Hkv, n, d]: CPU tensors in a
+    `KEY_FORMATS` dtype, channels contiguous, keys and values laid out alike, d a multiple of 8."""
+    k, v = rows
+    return (
+        k.device.type == "cpu"
+        and k.dtype in KEY_FORMATS
+        and v.dtype == k.dtype
+        and k.dim() == 4
+        and k.shape == v.shape
+        and k.stride() == v.stride()
+        and k.stride(-1) == 1
+        and k.shape[-1] % ATTEND_LANES == 0
+        and library() is not None
+    )
+
+
+def attend(
+    query: torch.Tensor,
+    rows: tuple[torch.Tensor, torch.Tensor],
+    valid: torch.Tensor | None,
+    new: tuple[torch.Tensor, torch.Tensor],
+    weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The math of `attention.attend_stored` in one call, reading the rows where they are stored.
+
+    query [B, Hkv, G, d] float32, already multiplied by the attention scaling; rows (k, v)
+    [B, Hkv, n, d] that `can_attend` accepts; valid [B, Hkv, n] bool or None (every row);
+    new (k, v) [B, Hkv, 1, d]. Returns the output [B, Hkv, G, d] float32 and, when `weights`,
+    the weights [B, Hkv, G, n + 1] (the new position last)."""
+    lib = library()
+    if lib is None or not can_attend(rows):
+        raise ValueError("attend needs the compiled kernels and rows that can_attend accepts")
+    k, v = rows
+    b, hkv, n, d = k.shape
+    g = query.shape[2]
+    if tuple(query.shape) != (b, hkv, g, d) or query.dtype != torch.float32:
+        raise ValueError(f"query must be float32 [{b}, {hkv}, G, {d}], got {query.dtype} {list(query.shape)}")
+    q = query.contiguous()
+    knew, vnew = (x.reshape(b, hkv, d).to(torch.float32).contiguous() for x in new)
+    vmask = None if valid is None else valid.reshape(b, hkv, n).to(torch.uint8).contiguous()
+    probs = torch.empty((b * hkv if weights else 1) * g * (n + 1), dtype=torch.float32)
+    tile = torch.empty(2 * _ATTEND_TILE * d, dtype=torch.float32)
+    out = torch.empty(b, hkv, g, d, dtype=torch.float32)
+    lib.ig_attend(
+        k.data_ptr(), v.data_ptr(), KEY_FORMATS[k.dtype], b, hkv, k.stride(0), k.stride(1), k.stride(2), g, n, d,
+        q.data_ptr(), None if vmask is None else vmask.data_ptr(), knew.data_ptr(), vnew.data_ptr(),
+        probs.data_ptr(), g * (n + 1) if weights else 0, tile.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out, probs.reshape(b, hkv, g, n + 1) if weights else None
 
 
 def select(
