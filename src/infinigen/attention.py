@@ -75,8 +75,9 @@ def attend_stored(
     """Attention of one decode position over stored rows, in the dtype they are stored in, and
     over its own new position as computed: the rows are widened to fp32 in the C kernel's
     registers (`kernels.attend`), or without it a slice of `widen_rows` positions at a time, so
-    the transfer buffers can hold them in 16 bits with no fp32 copy of the layer's rows. The scores of every row are kept (they are G / d of the rows' size), so
-    the softmax is exact, not carried.
+    the transfer buffers can hold them in 16 bits with no fp32 copy of the layer's rows. The
+    scores of every row are kept (they are G / d of the rows' size), so the softmax is exact,
+    not carried.
 
     query [B, H, 1, d]; rows (k, v) [B, Hkv, n, d]; valid [B, Hkv, n] (False: a padding slot or
     a position that is not there); new (k, v) [B, Hkv, 1, d]. Returns the output [B, 1, H, d] in

@@ -100,6 +100,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ig_select.argtypes += [p, p, p, p, p]
     lib.ig_top_up.restype = i64
     lib.ig_top_up.argtypes = [p, cint, i64, i64, p, p, p, i64, i64, i64, i64, p, cint, p, p, p, p, p, p, p]
+    lib.ig_attend_scratch.restype = i64
+    lib.ig_attend_scratch.argtypes = [i64]
     lib.ig_attend.restype = None
     lib.ig_attend.argtypes = [p, p, cint, i64, i64, i64, i64, i64, i64, i64, i64, p, p, p, p, p, i64, p, p]
     lib.ig_widen.restype = None
@@ -172,13 +174,10 @@ def widen(keys: torch.Tensor) -> torch.Tensor:
     return out
 
 
-ATTEND_LANES = 8  # attend.c reads head dims that are a multiple of this
-_ATTEND_TILE = 32  # attend.c's ATT_TILE
-
-
 def can_attend(rows: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """Whether `attend` reads these stored rows (k, v) [B, Hkv, n, d]: CPU tensors in a
-    `KEY_FORMATS` dtype, channels contiguous, keys and values laid out alike, d a multiple of 8."""
+    `KEY_FORMATS` dtype, channels contiguous, keys and values laid out alike, a head dim the
+    kernel reads (`ig_attend_scratch`: a multiple of 8)."""
     k, v = rows
     return (
         k.device.type == "cpu"
@@ -188,8 +187,8 @@ def can_attend(rows: tuple[torch.Tensor, torch.Tensor]) -> bool:
         and k.shape == v.shape
         and k.stride() == v.stride()
         and k.stride(-1) == 1
-        and k.shape[-1] % ATTEND_LANES == 0
         and library() is not None
+        and library().ig_attend_scratch(k.shape[-1]) > 0
     )
 
 
@@ -218,7 +217,7 @@ def attend(
     knew, vnew = (x.reshape(b, hkv, d).to(torch.float32).contiguous() for x in new)
     vmask = None if valid is None else valid.reshape(b, hkv, n).to(torch.uint8).contiguous()
     probs = torch.empty((b * hkv if weights else 1) * g * (n + 1), dtype=torch.float32)
-    tile = torch.empty(2 * _ATTEND_TILE * d, dtype=torch.float32)
+    tile = torch.empty(lib.ig_attend_scratch(d), dtype=torch.float32)
     out = torch.empty(b, hkv, g, d, dtype=torch.float32)
     lib.ig_attend(
         k.data_ptr(), v.data_ptr(), KEY_FORMATS[k.dtype], b, hkv, k.stride(0), k.stride(1), k.stride(2), g, n, d,

@@ -7,7 +7,7 @@
  * of a position contiguous), t < n. q: [R][G][d] already multiplied by the attention scaling;
  * valid: [R][n] bytes or NULL (every row present); knew, vnew: [R][d]. probs: [G][n + 1] per row,
  * at probs + r * probs_stride (stride 0: one scratch for every row; else the weights, the new
- * position last); tile: 2 * ATT_TILE * d floats of scratch; out: [R][G][d].
+ * position last); tile: ig_attend_scratch(d) floats of scratch; out: [R][G][d].
  */
 #include <stdint.h>
 #include <string.h>
@@ -93,6 +93,10 @@ static float sum_of(const float *x, int64_t n) {
     for (; t < n; t++) lane[0] += x[t];
     return lane_sum(lane);
 }
+
+/* The floats of scratch `tile` that ig_attend needs for head dim d, or 0 when it cannot read d
+ * (not a multiple of LANES): the one place these rules live. */
+int64_t ig_attend_scratch(int64_t d) { return d > 0 && d % LANES == 0 ? 2 * ATT_TILE * d : 0; }
 
 void ig_attend(const void *k, const void *v, int format, int64_t B, int64_t H, int64_t sb, int64_t sh, int64_t sn,
                int64_t G, int64_t n, int64_t d, const float *q, const uint8_t *valid, const float *knew,
