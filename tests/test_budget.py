@@ -2,6 +2,8 @@
 then measures (`cache.memory()`), and `compute_memory`: fitted by giving things up, or refused
 before any KV is computed."""
 
+import math
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from conftest import VOCAB, run_cli, tiny_model
 from infinigen import InfiniGenConfig, attach, budget
 from infinigen.budget import MemoryBudgetError, Request, estimate
 from infinigen.config import ConfigError
+from infinigen.memory import dense_kv_bytes
 from infinigen.models import get_adapter
 from infinigen.validation import parse_size
 
@@ -39,6 +42,7 @@ CASES = [
     ("infinigen", "disk", {"partial_format": "int8"}),
     ("infinigen", "disk", {"partial_format": "int4", "correction": 0.05}),
     ("infinigen", "disk", {"fetch_chunk": 16, "dense_layers_on_compute": False}),
+    ("infinigen", "disk", {"read_chunk": "8KiB"}),
     ("full", "disk", {"fetch_chunk": 16}),
     ("quest", "disk", {}),
     ("h2o", "ram", {}),
@@ -136,6 +140,11 @@ def test_sizes_are_read_as_people_write_them():
         InfiniGenConfig(compute_memory="lots")
     with pytest.raises(ConfigError):
         InfiniGenConfig(compute_memory="0")
+    assert InfiniGenConfig(compute_memory="12.5%").compute_memory_bytes(8000) == 1000
+    assert InfiniGenConfig(compute_memory="1GiB").compute_memory_bytes(8000) == 1 << 30
+    for wrong in ("0%", "-5%", "lots%", "%"):
+        with pytest.raises(ConfigError, match="or a share such as 12.5%"):
+            InfiniGenConfig(compute_memory=wrong)
 
 
 def test_the_command_line_refuses_a_request_over_the_budget_in_one_sentence(tiny_model_dir, capsys):
@@ -176,3 +185,57 @@ def test_a_planned_chunk_is_the_largest_the_budget_leaves(monkeypatch):
     assert 8 < chunk < P + N and f"chunks of {chunk} positions" in " ".join(plan.changes)
     assert measured.compute_kv_bytes <= plan.total <= limit
     assert _needs(plan.config.replace(fetch_chunk=chunk + 1, compute_memory=None), model) > limit
+
+
+def test_a_share_is_of_what_dense_keeps_for_the_same_batch_and_positions():
+    """`compute_memory` as a percentage: the plan's budget is that share of dense's KV for the
+    request (in the KV's storage dtype), what the cache keeps stays within it, and a share too
+    small is refused naming both."""
+    model = tiny_model("llama")
+    base = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", tier="disk")
+    dense = dense_kv_bytes(get_adapter(model), B, P + N, torch.float16)
+    percent = math.ceil(100 * _needs(base, model) / dense) + 1  # a tiny model's buffers outweigh its KV
+    cfg = base.replace(compute_memory=f"{percent}%")
+    measured, plan, summary = _generate(model, cfg, max_length=P + N, batch=B)
+    assert plan.budget == int(percent / 100 * dense) and summary["plan"]["compute_memory_bytes"] == plan.budget
+    assert not plan.changes  # it fits as given
+    assert measured.dense_kv_bytes <= dense and measured.compute_kv_bytes <= plan.total <= plan.budget
+    with pytest.raises(MemoryBudgetError, match=r"\(1\.0 % of dense's KV\)"):
+        _generate(model, cfg.replace(compute_memory="1%"), max_length=P + N, batch=B)
+
+
+def test_a_budget_shrinks_the_disk_read_rounds_before_it_gives_up_the_dense_layers(monkeypatch):
+    """Smaller rounds of disk reads only cost speed, and less of it than reading the dense layers
+    from the tier: a budget that smaller rounds meet keeps the dense layers with the compute, with
+    the largest rounds that fit."""
+    monkeypatch.setattr(budget, "PLANNED_READ_CHUNK", 4096)
+    model = tiny_model("llama")
+    base = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", tier="disk")
+    smallest = _needs(base.replace(read_chunk="4KiB"), model)
+    whole = _needs(base, model)
+    assert smallest < whole  # the tiny layer's gather is over 4 KiB
+    measured, plan, _ = _generate(model, base.replace(compute_memory=str(smallest)), max_length=P + N, batch=B)
+    changes = " ".join(plan.changes)
+    assert "disk read rounds 8MiB -> " in changes and "dense layers" not in changes, changes
+    assert plan.config.dense_layers_on_compute and measured.parts["dense_layers"] > 0
+    assert measured.compute_kv_bytes <= plan.total <= smallest
+    rounds = plan.config.read_chunk_bytes
+    assert (
+        rounds >= 4096
+        and _needs(plan.config.replace(read_chunk=str(rounds + 4096), compute_memory=None), model) > smallest
+    )
+
+
+def test_the_command_line_takes_a_share_and_says_what_it_came_to(tiny_model_dir, capsys):
+    rc, out, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "abc " * 40, "--max-new-tokens", "4",
+        "--policy", "full", "--tier", "disk", "--compute-memory", "1000%",
+    )  # fmt: skip
+    assert rc == 0, err
+    line = next(x for x in out.splitlines() if "within compute_memory" in x)
+    assert "within compute_memory 1000% of dense's KV = " in line and "(planned): nothing given up" in line
+    rc, _, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "abc " * 40, "--max-new-tokens", "4",
+        "--policy", "full", "--tier", "disk", "--compute-memory", "1%", "--quiet",
+    )  # fmt: skip
+    assert rc == 2 and "(1.0 % of dense's KV)" in err

@@ -6,11 +6,12 @@ shapes a generation will reach: the model's layers and heads, the batch, the pos
 dtypes, the policy's roles and the selector's state. It is held to the measured counters by
 `tests/test_budget.py` (never below them, at most a stated margin above).
 
-`plan` fits a config into a budget, lossless changes first: the disk tier's block cache shrinks
-(speed only); then the layers that read every row read it in chunks (`fetch_chunk`: the largest
-chunk the budget leaves, at least `PLANNED_FETCH_CHUNK`), the dense layers read from the tier
-instead of kept (speed only); then InfiniGen's partial keys go to a lower precision (int8, then
-int4: `partial_format`). A request
+`plan` fits a config into a budget (a size, or a share of what dense keeps for the request),
+lossless changes first: the disk tier's block cache shrinks, then its rounds of reads
+(`read_chunk`, down to `PLANNED_READ_CHUNK`; speed only); then the layers that read every row
+read it in chunks (`fetch_chunk`: the largest chunk the budget leaves, at least
+`PLANNED_FETCH_CHUNK`), the dense layers read from the tier instead of kept (speed only); then
+InfiniGen's partial keys go to a lower precision (int8, then int4: `partial_format`). A request
 that does not fit even then is refused in one sentence (`MemoryBudgetError`), before any KV is
 computed.
 """
@@ -25,14 +26,16 @@ from pathlib import Path
 import torch
 
 from infinigen.errors import InputError
-from infinigen.memory import PARTS, format_bytes
+from infinigen.memory import PARTS, dense_kv_bytes, format_bytes
 from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
 from infinigen.storage import rows_dtype
-from infinigen.storage.disk import READ_CHUNK, STAGE_KEEP, block_size, default_directory, record_bytes
+from infinigen.storage.disk import STAGE_KEEP, block_size, default_directory, record_bytes
 
 # The fewest positions per read when a plan chunks every-row reads (128 KiB a region at d = 64).
 PLANNED_FETCH_CHUNK = 512
+# The smallest round of disk reads a plan shrinks `read_chunk` to (a quarter of the largest request).
+PLANNED_READ_CHUNK = 256 << 10
 CHUNKED = "every-row reads in chunks"  # a plan's change; the chunk it sized follows
 
 
@@ -135,9 +138,9 @@ def _disk_parts(
             parts["block_cache"] += slots * blk
             parts["metadata"] += regions * region_blocks * 8 + slots * 9 + 8  # maps: block->slot, slot->block, refs
         parts["tier_buffers"] += regions * blk  # the unwritten tail block of every region
-    # reads go a few regions (or a run of one region's rows) at a time through one buffer of about READ_CHUNK
+    # reads go a few regions (or a run of one region's rows) at a time through one buffer of about read_chunk
     layer = regions * min(region_blocks, rows) * blk
-    read = min(layer, READ_CHUNK)
+    read = min(layer, config.read_chunk_bytes)
     if every_row:  # a range read (every row, or a chunk of them) takes one region's span at least
         span = min(config.fetch_chunk, request.positions) if config.fetch_chunk else request.positions
         read = max(read, (-(-span * record // blk) + 1) * blk)
@@ -164,6 +167,7 @@ class Plan:
     def describe(self) -> dict:
         """JSON-safe: the budget, the request, the estimate by part and what was given up."""
         return {
+            "compute_memory": self.config.compute_memory,  # as written: a size or a share of dense's KV
             "compute_memory_bytes": self.budget,
             "batch": self.request.batch,
             "positions": self.request.positions,
@@ -176,7 +180,8 @@ class Plan:
 def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.dtype) -> Plan:
     """Fit `config` into its `compute_memory` (see the module docstring). `selector_for(config)`
     gives the selector a config makes (the plan may change the partial keys' format)."""
-    budget = config.compute_memory_bytes
+    dense = dense_kv_bytes(adapter, request.batch, request.positions, config.storage_dtype() or compute_dtype)
+    budget = config.compute_memory_bytes(dense)
     if budget is None:
         selector = selector_for(config)
         return Plan(config, selector, request, estimate(config, adapter, selector, request, compute_dtype), None, ())
@@ -186,37 +191,74 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
         size = functools.partial(
             estimate, adapter=adapter, selector=selector, request=request, compute_dtype=compute_dtype
         )
-        lean = candidate.replace(block_cache=0.0) if candidate.block_cache else candidate
+        lean = _lean(candidate)
         tried.append(size(lean))
         if sum(tried[-1].values()) > budget:
             continue
-        if candidate.fetch_chunk != config.fetch_chunk:  # chunks the plan chose: the largest that fits
-            fits = lambda c, size=size, lean=lean: sum(size(lean.replace(fetch_chunk=c)).values()) <= budget  # noqa: E731
-            chunk = _largest(fits, candidate.fetch_chunk, request.positions)
-            candidate, lean = candidate.replace(fetch_chunk=chunk), lean.replace(fetch_chunk=chunk)
-            changes = tuple(f"{c} of {chunk} positions" if c == CHUNKED else c for c in changes)
-        low, high = 0.0, candidate.block_cache  # the largest block cache that fits (it only speeds reads)
-        if sum(size(candidate).values()) > budget:
-            for _ in range(20):
-                mid = (low + high) / 2
-                low, high = (
-                    (mid, high) if sum(size(candidate.replace(block_cache=mid)).values()) <= budget else (low, mid)
-                )
-            fitted = candidate.replace(block_cache=math.floor(low * 1e4) / 1e4)  # rounded down: it still fits
-            if sum(size(fitted).values()) > budget:
-                fitted = lean
-            changes = (*changes, f"block cache {config.block_cache:g} -> {fitted.block_cache:g}")
-            candidate = fitted
+        fits = _Fits(size, budget)
+        candidate, changes = _loosen(config, candidate, lean, changes, fits, request.positions)
         return Plan(candidate, selector, request, size(candidate), budget, tuple(changes))
     least = min(tried, key=lambda parts: sum(parts.values()))
     need = sum(least.values())
     biggest = sorted(((v, k) for k, v in least.items() if v), reverse=True)[:2]
     largest = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for v, k in biggest)
+    share = f" ({100 * budget / dense:.1f} % of dense's KV)" if dense else ""
     raise MemoryBudgetError(
         f"{request.batch} x {request.positions} positions need at least {format_bytes(need)} next to the compute "
         f"under policy {config.policy!r} ({largest}) "
-        f"but compute_memory is {format_bytes(budget)}: lower the batch or the length, or raise compute_memory"
+        f"but compute_memory is {format_bytes(budget)}{share}: lower the batch or the length, or raise compute_memory"
     )
+
+
+@dataclass(frozen=True)
+class _Fits:
+    """Whether a config's estimate fits the budget."""
+
+    size: object
+    budget: int
+
+    def __call__(self, config) -> bool:
+        return sum(self.size(config).values()) <= self.budget
+
+
+def _loosen(config, candidate, lean, changes: tuple[str, ...], fits: _Fits, positions: int):
+    """Given that `lean` fits: back from it towards `candidate`, in the order the speed gained
+    per byte kept: the largest rounds of disk reads (every offloaded layer's gathers), then the
+    largest every-row chunk (when the plan chose chunks; the few layers that read every row),
+    then the largest block cache that fit; with the changes from `config` each made."""
+    if lean.read_chunk != candidate.read_chunk:
+        rounds = candidate.read_chunk_bytes
+        if not fits(lean.replace(read_chunk=candidate.read_chunk)):
+            step = min(64 << 10, PLANNED_READ_CHUNK)  # rounds sized to whole steps
+            rounds = step * _largest(
+                lambda n: fits(lean.replace(read_chunk=str(n * step))), PLANNED_READ_CHUNK // step, rounds // step
+            )
+            changes = (*changes, f"disk read rounds {config.read_chunk} -> {format_bytes(rounds)}")
+        candidate, lean = candidate.replace(read_chunk=str(rounds)), lean.replace(read_chunk=str(rounds))
+    if candidate.fetch_chunk != config.fetch_chunk:  # chunks the plan chose: the largest that fits
+        chunk = _largest(lambda c: fits(lean.replace(fetch_chunk=c)), candidate.fetch_chunk, positions)
+        candidate, lean = candidate.replace(fetch_chunk=chunk), lean.replace(fetch_chunk=chunk)
+        changes = tuple(f"{c} of {chunk} positions" if c == CHUNKED else c for c in changes)
+    if not fits(candidate):  # the largest block cache that fits (it only speeds reads)
+        low, high = 0.0, candidate.block_cache
+        for _ in range(20):
+            mid = (low + high) / 2
+            low, high = (mid, high) if fits(candidate.replace(block_cache=mid)) else (low, mid)
+        fitted = candidate.replace(block_cache=math.floor(low * 1e4) / 1e4)  # rounded down: it still fits
+        if not fits(fitted):
+            fitted = lean
+        changes = (*changes, f"block cache {config.block_cache:g} -> {fitted.block_cache:g}")
+        candidate = fitted
+    return candidate, changes
+
+
+def _lean(config):
+    """`config` with what only speeds reads given up: no block cache, the smallest rounds of
+    disk reads a plan takes."""
+    lean = config.replace(block_cache=0.0) if config.block_cache else config
+    if config.tier == "disk" and config.read_chunk_bytes > PLANNED_READ_CHUNK:
+        lean = lean.replace(read_chunk=str(PLANNED_READ_CHUNK))
+    return lean
 
 
 def _largest(fits, low: int, high: int) -> int:

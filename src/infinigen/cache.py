@@ -118,6 +118,7 @@ class InfiniGenCache(SessionCache):
             eviction=config.eviction,
             block_cache=config.block_cache,
             copy_engine=config.copy_engine,
+            read_chunk=config.read_chunk_bytes,
         )
         self.positions = Positions()
         self._batch: int | None = None  # the batch of the first update: every update must match it

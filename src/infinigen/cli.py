@@ -104,7 +104,10 @@ def _print_run(r, show_text: bool = True) -> None:
     plan = s.get("plan")
     if plan and plan["compute_memory_bytes"] is not None:
         gave_up = "; ".join(plan["changes"]) or "nothing given up"
-        print(f"    within compute_memory {format_bytes(plan['compute_memory_bytes'])} (planned): {gave_up}")
+        limit = format_bytes(plan["compute_memory_bytes"])
+        if "%" in str(plan.get("compute_memory")):
+            limit = f"{plan['compute_memory']} of dense's KV = {limit}"
+        print(f"    within compute_memory {limit} (planned): {gave_up}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

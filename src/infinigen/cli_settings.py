@@ -73,7 +73,7 @@ def add_arguments(
         if name in skip:
             continue
         group = advanced_group if name in advanced else user_group
-        text = flag_help(name, defaults.get(name, setting_default(name)))
+        text = flag_help(name, defaults.get(name, setting_default(name))).replace("%", "%%")  # argparse formats help
         flag = "--" + name.replace("_", "-")
         if setting_type(name) is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)

@@ -32,7 +32,19 @@ import torch
 
 from infinigen.roles import Role
 from infinigen.storage import COPY_ENGINES, EVICTIONS, TIERS, check_combination
-from infinigen.validation import ConfigError, Rule, Validated, at_least, fraction, knob, one_of, parse_size, size
+from infinigen.validation import (
+    ConfigError,
+    Rule,
+    Validated,
+    at_least,
+    fraction,
+    knob,
+    one_of,
+    parse_size,
+    resolve_size,
+    size,
+    size_or_share,
+)
 
 
 # ---------------------------------------------------------------------- policies
@@ -249,6 +261,13 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         Rule("a folder path (not empty)", lambda v: bool(v.strip())),
     )
     io_threads: int = knob(4, "disk reads in flight", at_least(1))
+    read_chunk: str = knob(
+        "8MiB",
+        "disk tier: the most bytes one round of a gather reads at once; its read buffer holds up to about "
+        "twice this (smaller keeps less with the compute; larger keeps more reads in flight)",
+        size(),
+        advanced=True,
+    )
     block_cache: float = knob(
         0.0,
         "disk tier: fraction of each layer's 4 KiB blocks also kept in RAM as a read cache (lossless; when full, "
@@ -272,10 +291,11 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     eviction: str = knob("counter", "host pool victim: counter (least fetched), lru or fifo", one_of(EVICTIONS))
     compute_memory: str | None = knob(
         None,
-        "the most KV-related bytes kept next to the compute (e.g. 512MiB): the cache gives up block cache, then "
-        "reads the dense layers from the tier in chunks, then lowers partial-key precision, to fit, and refuses "
-        "a request that cannot; default: no budget",
-        size(),
+        "the most KV-related bytes kept next to the compute: a size (e.g. 512MiB) or a share of what dense "
+        "keeps for the same batch and positions (e.g. 12.5%); the cache gives up block cache, then shrinks the "
+        "disk's rounds of reads, then reads the dense layers from the tier in chunks, then lowers partial-key "
+        "precision, to fit, and refuses a request that cannot; default: no budget",
+        size_or_share(),
     )
     measure_recall: bool = knob(
         False, "also compute dense attention to report recall (evaluation only; slow)", advanced=True
@@ -312,10 +332,14 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     def spec(self) -> PolicySpec:
         return POLICIES[self.policy]
 
+    def compute_memory_bytes(self, dense_kv_bytes: int) -> int | None:
+        """`compute_memory` in bytes (None: no budget), a share taken of `dense_kv_bytes` (what
+        dense keeps for the request, in the KV's storage dtype)."""
+        return None if self.compute_memory is None else resolve_size(self.compute_memory, dense_kv_bytes)
+
     @property
-    def compute_memory_bytes(self) -> int | None:
-        """`compute_memory` in bytes (None: no budget)."""
-        return None if self.compute_memory is None else parse_size(self.compute_memory)
+    def read_chunk_bytes(self) -> int:
+        return parse_size(self.read_chunk)
 
     @property
     def resolved_budget(self) -> float:

@@ -164,3 +164,30 @@ def size() -> Rule:
             return False
 
     return Rule("a size such as 512MiB, 1GiB or 800M (a plain number: bytes)", ok)
+
+
+def parse_share(text: str | int) -> float | None:
+    """The fraction a text such as '12.5%' names (0.125); None when it is not a percentage."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*%\s*", str(text))
+    return None if m is None else float(m.group(1)) / 100
+
+
+def resolve_size(text: str | int, whole: int) -> int:
+    """Bytes from a size (`parse_size`) or a share of `whole` ('12.5%': an eighth of it)."""
+    share = parse_share(text)
+    return parse_size(text) if share is None else int(share * whole)
+
+
+def size_or_share() -> Rule:
+    """A positive size in bytes, or a positive percentage of a whole the setting names."""
+
+    def ok(v) -> bool:
+        share = parse_share(v)
+        if share is not None:
+            return share > 0
+        try:
+            return parse_size(v) > 0
+        except ValueError:
+            return False
+
+    return Rule("a size such as 512MiB, 1GiB or 800M (a plain number: bytes), or a share such as 12.5%", ok)

@@ -24,7 +24,7 @@ static void widen_run(const void *src, int format, int64_t count, float *dst) {
     if (format == KEYS_F16) {
         const uint16_t *s = (const uint16_t *)src;
         int64_t i = 0;
-#if defined(__F16C__) /* the CPU's own conversion where it has one (exact, as widen_f16) */
+#if defined(__F16C__) /* the CPU's own conversion where it has one (equal to widen_f16 on every non-NaN value) */
         for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
 #endif
         for (; i < count; i++) dst[i] = widen_f16(s[i]);

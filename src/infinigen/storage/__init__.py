@@ -71,7 +71,8 @@ class Storage:
     block_cache:   the fraction of a disk tier's blocks also kept in RAM as a read cache;
     copy_engine:   how the pinned tier moves rows to the compute device: ``auto`` (CUDA streams
                    when the device is a GPU), ``cuda``, ``threads`` (the same protocol on CPU
-                   threads), or a `CopyEngine` instance.
+                   threads), or a `CopyEngine` instance;
+    read_chunk:    the most bytes one round of a disk tier's gather reads (None: `READ_CHUNK`).
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class Storage:
         eviction: str = "counter",
         block_cache: float = 0.0,
         copy_engine: str | CopyEngine = "auto",
+        read_chunk: int | None = None,
     ) -> None:
         check_combination(tier, fmt, pooled=host_capacity is not None)
         self.tier, self.fmt, self.kv_dtype = tier, fmt, kv_dtype
@@ -103,7 +105,7 @@ class Storage:
             self.engine_for(device)  # an unusable engine fails now, before any model work
         self.directory, self.io_threads, self.device = directory, io_threads, device
         self.host_capacity, self.pool_positions, self.eviction = host_capacity, pool_positions, eviction
-        self.block_cache = block_cache
+        self.block_cache, self.read_chunk = block_cache, read_chunk
         self.stats = TransferStats()
         self._threads: IOThreads | None = None
         self._reserved = False
@@ -161,8 +163,7 @@ class Storage:
                 self._finalizer = weakref.finalize(self, self._threads.shutdown, False)
             return DiskTier(
                 batch, kv_heads, head_dim, dtype, stats, self.capacity, self.directory, threads=self._threads,
-                cache_fraction=self.block_cache,
-                reserve=reserve,
+                cache_fraction=self.block_cache, reserve=reserve, read_chunk=self.read_chunk,
             )  # fmt: skip
         engine = self.engine_for(device if device is not None else self.device)
         return PinnedTier(batch, kv_heads, head_dim, dtype, stats, engine, capacity=self.pool_positions or 0)

@@ -85,7 +85,7 @@ from infinigen.storage.blockcache import PINNED, USED, BlockCache
 ENV_DIR = "INFINIGEN_KV_DIR"
 _MIN_BLOCK = 4096
 STAGE_KEEP = 1 << 20  # append staging buffers up to this size are kept and reused
-READ_CHUNK = 8 << 20  # a gather reads at most about this many bytes at once (whole regions; see _read_records)
+READ_CHUNK = 8 << 20  # by default a gather reads at most about this many bytes at once (see _read_records)
 
 
 def default_directory() -> Path:
@@ -277,7 +277,9 @@ class DiskTier(KVTier):
     space"), released by ``close()``, by garbage collection, when a ``with`` block is left, or
     when the process ends in any way. ``threads`` are the I/O threads to read with (shared by
     the layers of a cache); without them the tier starts its own ``readers`` and stops them on
-    close.
+    close. ``read_chunk`` bounds the bytes one round of a gather reads (default ``READ_CHUNK``):
+    the shared read buffer holds up to about twice it, so a smaller one keeps less next to the
+    compute at the price of more rounds of reads.
 
     If the filesystem refuses O_DIRECT (tmpfs, some network filesystems) a
     ``KVStorageError`` names the directory, unless ``allow_buffered=True``: then the file is
@@ -303,6 +305,7 @@ class DiskTier(KVTier):
         coalesce_gap_blocks: int = 2,
         cache_fraction: float = 0.0,
         reserve: int | None = None,
+        read_chunk: int | None = None,
     ) -> None:
         super().__init__(batch, kv_heads, head_dim, dtype, stats)
         if capacity < 1:
@@ -311,6 +314,9 @@ class DiskTier(KVTier):
             raise ValueError(f"coalesce_gap_blocks must be >= 0, got {coalesce_gap_blocks}")
         if not 0 <= cache_fraction <= 1:
             raise ValueError(f"cache_fraction must be in [0, 1], got {cache_fraction}")
+        self.read_chunk = READ_CHUNK if read_chunk is None else int(read_chunk)
+        if self.read_chunk < 1:
+            raise ValueError(f"read_chunk must be at least 1 byte, got {read_chunk}")
         self.capacity = int(capacity)
         self.coalesce_gap_blocks = int(coalesce_gap_blocks)
         self.directory = Path(directory) if directory is not None else default_directory()
@@ -702,7 +708,7 @@ class DiskTier(KVTier):
         return k, v
 
     def _read_records(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
-        """`_read_chunk` over runs of rows whose blocks fit `READ_CHUNK` bytes: whole regions,
+        """`_read_chunk` over runs of rows whose blocks fit `read_chunk` bytes: whole regions,
         and a region that alone is over it (a long context at a small batch) in runs of its rows,
         so that the read buffer stays that size however large the batch and the context (one
         buffer the size of a whole layer's selection was up to a layer of KV kept with the compute).
@@ -710,17 +716,18 @@ class DiskTier(KVTier):
         per_row = self.block_size * (1 + self.coalesce_gap_blocks)  # a row's most blocks, merged gaps included
         ends = np.append(np.flatnonzero(np.diff(region)) + 1, len(pos))  # where each region's rows end
         begins = np.concatenate(([0], ends[:-1]))
-        most = max(READ_CHUNK // per_row, 1)  # rows of one region per read when the region is over the chunk
+        chunk = self.read_chunk
+        most = max(chunk // per_row, 1)  # rows of one region per read when the region is over the chunk
         pieces: list[tuple[int, int]] = []  # (first row, what it can need in the buffer)
         for begin, end in zip(begins.tolist(), ends.tolist()):
             cost = min((end - begin) * per_row, self.region_bytes)
-            if cost <= READ_CHUNK:
+            if cost <= chunk:
                 pieces.append((begin, cost))
             else:
                 pieces.extend((a, min(end - a, most) * per_row) for a in range(begin, end, most))
         total, first, spent = (0, 0, 0, 0), 0, 0
         for begin, c in pieces:
-            if spent and spent + c > READ_CHUNK:  # this piece starts the next chunk
+            if spent and spent + c > chunk:  # this piece starts the next chunk
                 got = self._read_chunk(region[first:begin], pos[first:begin], tail_pos, rows[first:begin])
                 total, first, spent = tuple(a + b for a, b in zip(total, got)), begin, 0
             spent += c
@@ -846,7 +853,7 @@ class DiskTier(KVTier):
         flat_k, flat_v = k.view(self.regions, n, d), v.view(self.regions, n, d)  # views: written through
         width = 2 * d * torch.empty((), dtype=self.dtype).element_size()
         first = start * rec - lo  # the span's first record within the blocks read
-        group = max(READ_CHUNK // span, 1)  # regions per read: the buffer stays about READ_CHUNK
+        group = max(self.read_chunk // span, 1)  # regions per read: the buffer stays about `read_chunk`
         for r0 in range(0, self.regions, group):
             r1 = min(r0 + group, self.regions)
             buf = self._buffer(span * (r1 - r0))
