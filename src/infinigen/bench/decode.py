@@ -228,6 +228,7 @@ def run_child(args: argparse.Namespace) -> dict:
         "layers_offloaded": 0 if dense else global_layers,
         "tier": "compute" if dense else cfg.tier,
         "config": None if hf_dense else cfg.to_dict(),
+        "plan": s.get("plan"),  # within compute_memory: the budget in bytes and what the cache gave up for it
         "profile": _profile_top(profiler, args.profile) if profiler is not None else None,
     }
 
