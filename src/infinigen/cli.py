@@ -507,7 +507,10 @@ def build_parser() -> argparse.ArgumentParser:
     _debug_flag(g)
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="dense (RAM), full fetch and InfiniGen (disk) side by side on a long prompt")
+    d = sub.add_parser(
+        "demo",
+        help="dense (RAM), full fetch and InfiniGen (disk, also within 12.5%% of dense's KV) side by side on a long prompt",
+    )
     _add_model_args(d)
     _add_prompt_args(d, "--prompt-tokens tokens of Milton's Areopagitica", DEMO_NEW_TOKENS)
     d.add_argument(
