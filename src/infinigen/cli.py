@@ -26,6 +26,7 @@ from infinigen.cli_settings import DISK_DEFAULTS, RUN_DEFAULTS, add_arguments, f
 from infinigen.config import POLICIES, ConfigError, InfiniGenConfig, setting_fields
 from infinigen.errors import InfiniGenError, InputError, is_input_error
 from infinigen.memory import format_bytes, memory_line
+from infinigen.validation import parse_share
 
 DESCRIPTION = """\
 Generate text with a language model whose KV cache lives in a slow tier (host RAM, disk or
@@ -105,7 +106,7 @@ def _print_run(r, show_text: bool = True) -> None:
     if plan and plan["compute_memory_bytes"] is not None:
         gave_up = "; ".join(plan["changes"]) or "nothing given up"
         limit = format_bytes(plan["compute_memory_bytes"])
-        if "%" in str(plan.get("compute_memory")):
+        if plan.get("compute_memory") is not None and parse_share(plan["compute_memory"]) is not None:
             limit = f"{plan['compute_memory']} of dense's KV = {limit}"
         print(f"    within compute_memory {limit} (planned): {gave_up}")
 

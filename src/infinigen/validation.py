@@ -181,13 +181,10 @@ def resolve_size(text: str | int, whole: int) -> int:
 def size_or_share() -> Rule:
     """A positive size in bytes, or a positive percentage of a whole the setting names."""
 
+    sizes = size()
+
     def ok(v) -> bool:
         share = parse_share(v)
-        if share is not None:
-            return share > 0
-        try:
-            return parse_size(v) > 0
-        except ValueError:
-            return False
+        return share > 0 if share is not None else sizes.ok(v)
 
-    return Rule("a size such as 512MiB, 1GiB or 800M (a plain number: bytes), or a share such as 12.5%", ok)
+    return Rule(f"{sizes.text}, or a share such as 12.5%", ok)
