@@ -36,7 +36,7 @@ def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys
     assert rows["full"]["compute_parts"]["local_layers"] == rows["full"]["local_kv_bytes"]
     assert rows["dense-hf"]["local_kv_bytes"] == local * window * 4  # transformers' cache: as computed
     assert all(r["correction_ms_per_step"] == 0.0 for r in rows.values())  # nothing here tops up
-    assert rows["dense-hf"]["plan"] is None and rows["full"]["plan"]["compute_memory_bytes"] is None
+    assert rows["dense-hf"]["plan"] is None and rows["full"]["plan"]["compute_memory"] == "auto"  # the default aim
     rc, _, err = run_cli(
         capsys, "bench", "decode", "--model", str(folder), "--contexts", "64", "--batches", "2", "--steps", "2",
         "--policies", "full", "--compute-memory", "1000%", "--out", str(out),
@@ -44,4 +44,6 @@ def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys
     assert rc == 0, err
     (row,) = json.loads((out / "bench_decode.json").read_text())["rows"]
     assert row["plan"]["compute_memory"] == "1000%"  # as written, and what it came to for this row
-    assert row["compute_kv_bytes"] <= row["plan"]["compute_memory_bytes"] <= 11 * row["dense_kv_bytes"]  # planned: +1 position
+    assert (
+        row["compute_kv_bytes"] <= row["plan"]["compute_memory_bytes"] <= 11 * row["dense_kv_bytes"]
+    )  # planned: +1 position

@@ -136,7 +136,7 @@ def test_a_cache_planned_for_fewer_rows_refuses_more():
 def test_sizes_are_read_as_people_write_them():
     assert parse_size("512MiB") == 512 << 20 == parse_size("512M") == parse_size("512 mib")
     assert parse_size("1.5GiB") == 3 << 29 and parse_size("800MB") == 800 * 10**6 and parse_size("4096") == 4096
-    with pytest.raises(ConfigError, match="compute_memory must be a size"):
+    with pytest.raises(ConfigError, match="compute_memory must be auto, or a size"):
         InfiniGenConfig(compute_memory="lots")
     with pytest.raises(ConfigError):
         InfiniGenConfig(compute_memory="0")
@@ -239,3 +239,67 @@ def test_the_command_line_takes_a_share_and_says_what_it_came_to(tiny_model_dir,
         "--policy", "full", "--tier", "disk", "--compute-memory", "1%", "--quiet",
     )  # fmt: skip
     assert rc == 2 and "(1.0 % of dense's KV)" in err
+
+
+def test_the_default_aims_at_a_share_of_dense_with_lossless_steps_only(monkeypatch):
+    """compute_memory="auto": within `AUTO_SHARE` of dense's KV where the lossless steps reach it
+    (the partial keys keep their precision even where a lower one would fit)."""
+    from infinigen import config as config_module
+
+    monkeypatch.setattr(budget, "PLANNED_FETCH_CHUNK", 8)  # a chunk the tiny context is much longer than
+    model = tiny_model("llama")
+    base = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", tier="disk", partial_format="kv")
+    assert base.compute_memory == "auto" and base.aims
+    lean = base.replace(fetch_chunk=budget.PLANNED_FETCH_CHUNK, dense_layers_on_compute=False, read_chunk="256KiB")
+    need, least = _needs(base, model), _needs(lean, model)
+    dense = dense_kv_bytes(get_adapter(model), B, P + N, torch.float16)
+    assert least < need
+    monkeypatch.setattr(config_module, "AUTO_SHARE", f"{100 * (least + need) / 2 / dense}%")  # between the two
+    measured, plan, summary = _generate(model, base, max_length=P + N, batch=B)
+    assert plan.budget == (least + need) // 2 or abs(plan.budget - (least + need) / 2) <= 1
+    assert plan.total <= plan.budget and measured.compute_kv_bytes <= plan.budget
+    assert plan.config.partial_format == "kv" and summary["plan"]["compute_memory"] == "auto"
+    assert not any("not met" in c for c in plan.changes)
+
+
+def test_a_default_aim_that_cannot_be_met_takes_the_leanest_lossless_plan_and_says_so(monkeypatch):
+    """The tiny model's buffers outweigh its KV: no plan reaches 12.5 %. The default does not
+    refuse; it takes the leanest lossless plan, names the miss, and decodes what no budget does."""
+    monkeypatch.setattr(budget, "PLANNED_FETCH_CHUNK", 8)
+    model = tiny_model("llama")
+    base = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", tier="disk", partial_format="kv")
+    tokens = {}
+    for memory in ("auto", None):
+        with attach(model, base.replace(compute_memory=memory), progress=False) as session:
+            with session.new_cache(max_length=P + N, batch=1) as cache:  # planned for 1 row, given 2
+                ids = _ids()
+                tokens[memory] = model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
+                    do_sample=False, pad_token_id=0,
+                )  # fmt: skip
+                if memory == "auto":
+                    plan, measured = cache.plan, cache.memory()
+    assert plan.config.partial_format == "kv" and not plan.config.dense_layers_on_compute
+    assert plan.config.fetch_chunk == budget.PLANNED_FETCH_CHUNK and plan.config.block_cache == 0
+    assert plan.changes[-1].startswith("aim 12.5 % of dense's KV not met: at least ")
+    assert measured.parts["dense_layers"] == 0
+    assert torch.equal(tokens["auto"], tokens[None])  # lossless: the same greedy tokens
+
+
+def test_the_default_aim_plans_nothing_for_a_policy_that_keeps_the_kv_with_the_compute():
+    _, plan, _ = _generate(tiny_model("llama"), InfiniGenConfig(policy="dense"), max_length=P + N, batch=B)
+    assert plan.budget is None and plan.changes == ()
+
+
+def test_the_command_line_says_the_default_aim_and_takes_none_and_default(tiny_model_dir, capsys):
+    run = ("generate", "--model", str(tiny_model_dir), "--prompt", "abc " * 40, "--max-new-tokens", "4")
+    rc, out, err = run_cli(capsys, *run, "--policy", "full", "--tier", "disk")
+    assert rc == 0, err
+    line = next(x for x in out.splitlines() if "aiming at" in x)
+    assert "aiming at 12.5% of dense's KV = " in line and "(compute_memory auto, planned): " in line
+    assert "not met" in line  # the tiny model's buffers outweigh its KV
+    rc, out, err = run_cli(capsys, *run, "--policy", "full", "--tier", "disk", "--compute-memory", "none")
+    assert rc == 0, err
+    assert "aiming at" not in out and "within compute_memory" not in out
+    rc, out, err = run_cli(capsys, *run, "--policy", "full", "--tier", "disk", "--compute-memory", "default")
+    assert rc == 0 and "aiming at 12.5%" in out, err

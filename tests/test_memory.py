@@ -80,7 +80,7 @@ def test_the_disk_tiers_of_a_cache_share_one_read_buffer_and_report_their_block_
     """Reads run one at a time on the cache's I/O thread: one buffer, not one per layer (which held
     twice dense's KV for full fetch at 4K). The block cache holds `block_cache` of each layer's blocks."""
     model = tiny_model("llama")
-    cfg = InfiniGenConfig(policy="full", tier="disk", kv_dtype="float16", block_cache=0.25)
+    cfg = InfiniGenConfig(policy="full", tier="disk", kv_dtype="float16", block_cache=0.25, compute_memory=None)
     report, _, cache = _run(model, cfg)
     layers = model.config.num_hidden_layers
     per_layer = report.tier_kv_bytes // layers  # one layer's file (records padded to 256 B, whole blocks)

@@ -14,6 +14,11 @@ read it in chunks (`fetch_chunk`: the largest chunk the budget leaves, at least
 InfiniGen's partial keys go to a lower precision (int8, then int4: `partial_format`). A request
 that does not fit even then is refused in one sentence (`MemoryBudgetError`), before any KV is
 computed.
+
+The default, `compute_memory="auto"`, is an aim rather than a limit: an offloading policy is
+planned within `infinigen.config.AUTO_SHARE` of dense's KV by the lossless steps alone (the partial keys keep
+the precision asked for), and where no lossless plan fits, the leanest one is taken and its changes
+say by how much it misses (a default never refuses a request the cache can serve).
 """
 
 from __future__ import annotations
@@ -167,7 +172,7 @@ class Plan:
     def describe(self) -> dict:
         """JSON-safe: the budget, the request, the estimate by part and what was given up."""
         return {
-            "compute_memory": self.config.compute_memory,  # as written: a size or a share of dense's KV
+            "compute_memory": self.config.compute_memory,  # as written: a size, a share of dense's KV, or auto
             "compute_memory_bytes": self.budget,
             "batch": self.request.batch,
             "positions": self.request.positions,
@@ -185,21 +190,25 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
     if budget is None:
         selector = selector_for(config)
         return Plan(config, selector, request, estimate(config, adapter, selector, request, compute_dtype), None, ())
-    tried = []
-    for candidate, changes in _candidates(config):
+    tried = []  # (parts, the candidate at its leanest, its selector, the changes it made)
+    for candidate, changes in _candidates(config, lossy=not config.aims):
         selector = selector_for(candidate)
         size = functools.partial(
             estimate, adapter=adapter, selector=selector, request=request, compute_dtype=compute_dtype
         )
         lean = _lean(candidate)
-        tried.append(size(lean))
-        if sum(tried[-1].values()) > budget:
+        tried.append((size(lean), lean, selector, changes))
+        if sum(tried[-1][0].values()) > budget:
             continue
         fits = _Fits(size, budget)
         candidate, changes = _loosen(config, candidate, lean, changes, fits, request.positions)
         return Plan(candidate, selector, request, size(candidate), budget, tuple(changes))
-    least = min(tried, key=lambda parts: sum(parts.values()))
+    least, lean, selector, changes = min(tried, key=lambda t: sum(t[0].values()))
     need = sum(least.values())
+    if config.aims:  # the default aim is no limit: the leanest lossless plan, and by how much it misses
+        aim, least_share = 100 * budget / max(dense, 1), 100 * need / max(dense, 1)
+        missed = f"aim {aim:.1f} % of dense's KV not met: at least {format_bytes(need)} = {least_share:.1f} %"
+        return Plan(lean, selector, request, least, budget, (*_leaned(config, lean, changes), missed))
     biggest = sorted(((v, k) for k, v in least.items() if v), reverse=True)[:2]
     largest = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for v, k in biggest)
     share = f" ({100 * budget / dense:.1f} % of dense's KV)" if dense else ""
@@ -252,6 +261,16 @@ def _loosen(config, candidate, lean, changes: tuple[str, ...], fits: _Fits, posi
     return candidate, changes
 
 
+def _leaned(config, lean, changes: tuple[str, ...]) -> tuple[str, ...]:
+    """The changes from `config` to `lean` (a candidate at its leanest), in the words `_loosen` uses."""
+    changes = tuple(f"{c} of {lean.fetch_chunk} positions" if c == CHUNKED else c for c in changes)
+    if lean.block_cache != config.block_cache:
+        changes = (*changes, f"block cache {config.block_cache:g} -> 0")
+    if lean.read_chunk != config.read_chunk:
+        changes = (*changes, f"disk read rounds {config.read_chunk} -> {format_bytes(lean.read_chunk_bytes)}")
+    return changes
+
+
 def _lean(config):
     """`config` with what only speeds reads given up: no block cache, the smallest rounds of
     disk reads a plan takes."""
@@ -270,13 +289,13 @@ def _largest(fits, low: int, high: int) -> int:
     return low
 
 
-def _candidates(config):
+def _candidates(config, lossy: bool = True):
     """Configs to try, in order: as given; then (lossless, slower) the layers that read every row
     read in chunks, the dense layers among them instead of kept with the compute; then InfiniGen's
     partial keys int8 / int4, each without and with the chunks (chunks of a short context can hold
     more than the dense layers they replace). Each with the changes it made."""
     formats = [(config, ())]
-    if config.policy == "infinigen":
+    if lossy and config.policy == "infinigen":
         order = ["kv", "int8", "int4"]
         for fmt in order[order.index(config.partial_format) + 1 :]:
             formats.append((config.replace(partial_format=fmt), (f"partial keys {config.partial_format} -> {fmt}",)))

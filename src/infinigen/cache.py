@@ -191,7 +191,7 @@ class InfiniGenCache(SessionCache):
         if self._batch is not None and shape[0] != self._batch:
             raise CacheInputError(f"this cache holds a batch of {self._batch}, got key_states {shape}")
         budget = self.plan.budget if self.plan is not None else None
-        if self._batch is None and budget is not None and shape[0] > self.plan.request.batch:
+        if self._batch is None and budget is not None and not self.config.aims and shape[0] > self.plan.request.batch:
             raise MemoryBudgetError(
                 f"this cache was planned for a batch of {self.plan.request.batch} within compute_memory "
                 f"{self.config.compute_memory}, got {shape[0]} rows: make the cache with "

@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from infinigen.cli_settings import DISK_DEFAULTS, RUN_DEFAULTS, add_arguments, from_arguments, parse_setting
-from infinigen.config import POLICIES, ConfigError, InfiniGenConfig, setting_fields
+from infinigen.config import AUTO, AUTO_SHARE, POLICIES, ConfigError, InfiniGenConfig, setting_fields
 from infinigen.errors import InfiniGenError, InputError, is_input_error
 from infinigen.memory import format_bytes, memory_line
 from infinigen.validation import parse_share
@@ -102,13 +102,22 @@ def _print_run(r, show_text: bool = True) -> None:
         f"| {format_bytes(s['bytes_fetched_per_token'])} read per token ({tier} tier)"
     )
     print(f"    {memory_line(s['memory'])}")
-    plan = s.get("plan")
-    if plan and plan["compute_memory_bytes"] is not None:
-        gave_up = "; ".join(plan["changes"]) or "nothing given up"
-        limit = format_bytes(plan["compute_memory_bytes"])
-        if plan.get("compute_memory") is not None and parse_share(plan["compute_memory"]) is not None:
-            limit = f"{plan['compute_memory']} of dense's KV = {limit}"
-        print(f"    within compute_memory {limit} (planned): {gave_up}")
+    if s.get("plan") and s["plan"]["compute_memory_bytes"] is not None:
+        print(f"    {_plan_words(s['plan'])}")
+
+
+def _plan_words(plan: dict | None) -> str:
+    """What `compute_memory` asked for and what the plan gave up for it, in one line."""
+    if not plan or plan["compute_memory_bytes"] is None:
+        return "no compute_memory budget: nothing given up"
+    gave_up = "; ".join(plan["changes"]) or "nothing given up"
+    limit = format_bytes(plan["compute_memory_bytes"])
+    written = plan.get("compute_memory")
+    if written == AUTO:
+        return f"aiming at {AUTO_SHARE} of dense's KV = {limit} (compute_memory auto, planned): {gave_up}"
+    if written is not None and parse_share(written) is not None:
+        limit = f"{written} of dense's KV = {limit}"
+    return f"within compute_memory {limit} (planned): {gave_up}"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -131,8 +140,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 DEMO_ROWS = (("dense", "with the compute, as computed"), ("full", "every row from the slow tier"), ("infinigen", ""))
-# The demo's last row: InfiniGen again, planned to keep at most this share of dense's KV with the compute.
-DEMO_SHARE = "12.5%"
+# The demo's last row: InfiniGen again with the other `compute_memory`, so that the row above shows
+# what the default aim costs (or, when a run sets no budget, what the aim would).
+DEMO_VARIANTS = {AUTO: ("ig no budget", None), None: ("ig auto", AUTO)}
 
 
 @contextlib.contextmanager
@@ -153,9 +163,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     tier (disk by default), on the same prompt repeated over a batch, greedy: speed, bytes read,
     what each keeps with the compute, and the text. The prompt is prefilled once by the plain
     model and replayed into each policy's cache: all three prefill with dense attention. A last
-    row runs InfiniGen again within `DEMO_SHARE` of dense's KV (`compute_memory`), or says why
-    that does not fit."""
-    from infinigen.budget import MemoryBudgetError
+    row runs InfiniGen again without a budget when it ran with the default aim (`compute_memory`
+    auto), with the aim when it ran without one (`DEMO_VARIANTS`); with a budget of its own, not."""
     from infinigen.generation import check_context, run_generation
     from infinigen.loading import load_model
     from infinigen.prefill import dense_prefix
@@ -180,13 +189,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         runs[policy] = run_generation(
             model, tok, [prompt] * args.batch, cfg, args.max_new_tokens, progress=not args.quiet, prefix=prefix
         )
-    try:  # the same within a share of dense's KV: what the plan gives up for it, measured
-        lean = run_generation(
-            model, tok, [prompt] * args.batch, config.replace(compute_memory=DEMO_SHARE), args.max_new_tokens,
+    variant = DEMO_VARIANTS.get(config.compute_memory)
+    other = None
+    if variant is not None:  # the same with the other compute_memory: what the aim costs, measured
+        other = run_generation(
+            model, tok, [prompt] * args.batch, config.replace(compute_memory=variant[1]), args.max_new_tokens,
             progress=not args.quiet, prefix=prefix,
         )  # fmt: skip
-    except MemoryBudgetError as exc:
-        lean = exc
     dense, full, ig = runs["dense"], runs["full"], runs["infinigen"]
     print(
         f"\nprompt: {dense.prompt_tokens} tokens of {source}, {args.batch} rows (the prompt repeated: each row's KV "
@@ -195,15 +204,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     print(f"infinigen's continuation:\n{ig.text[0]}\n")
     head = (
-        f"{'':>10} {'where the KV lives':>26} {'tokens/s':>9} {'x dense':>8} {'x full':>7} {'MiB from tier/token':>19} "
+        f"{'':>12} {'where the KV lives':>26} {'tokens/s':>9} {'x dense':>8} {'x full':>7} {'MiB from tier/token':>19} "
         f"{'KV kept with compute':>21} {'same tokens as dense':>21}"
     )
     print(head)
     print("-" * len(head))
     reference = max(full.summary["dense_kv_bytes"], 1)
     rows = [(policy, where, runs[policy]) for policy, where in DEMO_ROWS]
-    if not isinstance(lean, MemoryBudgetError):
-        rows.append((f"ig {DEMO_SHARE}", "", lean))
+    if other is not None:
+        rows.append((variant[0], "", other))
     for policy, where, r in rows:
         same = min(_same_prefix(a, b) for a, b in zip(r.token_ids, dense.token_ids))  # the least over rows
         tokens = max(r.summary["decode_steps"], 1) * args.batch
@@ -216,13 +225,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
         # one scale for every row: dense's KV in the offloaded runs' storage dtype (dense's own is as computed)
         kept = f"{m['compute_kv_bytes'] / 2**20:.1f} MiB = {100 * m['compute_kv_bytes'] / reference:.0f}%"
         print(
-            f"{policy:>10} {where:>26} {r.tokens_per_s:>9.2f} {r.tokens_per_s / dense.tokens_per_s:>8.2f} "
+            f"{policy:>12} {where:>26} {r.tokens_per_s:>9.2f} {r.tokens_per_s / dense.tokens_per_s:>8.2f} "
             f"{r.tokens_per_s / full.tokens_per_s:>7.2f} {read:>19.2f} {kept:>21} {f'first {same} of {r.new_tokens}':>21}"
         )
+    kept = sum(p["role"] == "compute" for p in ig.summary["per_layer"])
+    every = sum(p["role"] == "fetch_all" for p in ig.summary["per_layer"])
+    dense_layers = f"its first {kept} layers keep their KV with the compute" if kept else (
+        f"its first {every} layers read every row from the tier" if every else "every layer is speculated"
+    )  # fmt: skip
     print(
         f"\nInfiniGen speculates each layer's attention one layer ahead and reads only the selected rows "
-        f"({100 * (ig.summary['fetched_fraction'] or 0):.1f}% of the KV per speculated layer; its first "
-        f"{config.dense_layers} layers keep their KV with the compute; "
+        f"({100 * (ig.summary['fetched_fraction'] or 0):.1f}% of the KV per speculated layer; {dense_layers}; "
         f"{format_bytes(ig.summary['bytes_cached'] / max(ig.summary['decode_steps'] * args.batch, 1))}/token came "
         "from RAM in front "
         "of the disk: unwritten tail blocks and the block cache, if any). Measured on "
@@ -231,18 +244,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{config.kv_dtype or 'the compute dtype'}; infinigen's {memory_line(ig.summary['memory'])}. The full "
         "matrix: `infinigen bench decode`."
     )
-    if isinstance(lean, MemoryBudgetError):
-        print(
-            f"\nInfiniGen within {DEMO_SHARE} of dense's KV (--compute-memory {DEMO_SHARE}) does not fit here: {lean}"
-        )
-    else:
-        given_up = "; ".join(lean.summary["plan"]["changes"]) or "nothing"
-        print(
-            f"\nig {DEMO_SHARE}: InfiniGen with --compute-memory {DEMO_SHARE} (at most that share of dense's KV kept "
-            f"with the compute), planned before the prefill was replayed; it gave up: {given_up}."
-        )
+    print(f"\ninfinigen: {_plan_words(ig.summary['plan'])}")
+    if other is not None:
+        words = "no budget, nothing given up" if variant[1] is None else _plan_words(other.summary["plan"])
+        print(f"{variant[0]}: the same with --compute-memory {variant[1] or 'none'}: {words}")
     if args.json:
-        extra = [] if isinstance(lean, MemoryBudgetError) else [lean.to_json()]
+        extra = [] if other is None else [other.to_json()]
         print(json.dumps({"runs": [*(r.to_json() for r in runs.values()), *extra]}))
     return 0
 

@@ -28,7 +28,7 @@ RUN_DEFAULTS: dict[str, Any] = {"kv_dtype": "float16"}
 # demo and bench decode: the same, with the KV on disk (the slow tier the method is for).
 DISK_DEFAULTS: dict[str, Any] = {**RUN_DEFAULTS, "tier": "disk"}
 
-USER_GROUP = "settings (InfiniGenConfig; 'none' restores an optional default)"
+USER_GROUP = "settings (InfiniGenConfig; 'default' restores a default, 'none' unsets an optional setting)"
 ADVANCED_GROUP = "advanced (research) settings: defaults are calibrated; change them to study the method"
 # A field's help that says its default in its own words, at its end: "(default ...)", "; default: ...".
 OWN_DEFAULT = re.compile(r"\s*(\(default[^()]*\)|;\s*default:[^;]*)$")
@@ -40,6 +40,8 @@ def parse_setting(name: str, text: str) -> Any:
     known = setting_fields()
     if name not in known:
         raise ConfigError(f"unknown setting {name!r}; known: {', '.join(known)}")
+    if text.strip().lower() == "default":
+        return setting_default(name)
     return parse_text(name, setting_type(name), text)
 
 
@@ -117,8 +119,8 @@ def settings_markdown() -> str:
 Every setting of `InfiniGenConfig`, generated from its fields (`python -m infinigen.cli_settings >
 docs/settings.md`; `tests/test_config.py` fails when this file and the config differ). Each is a
 keyword of `InfiniGenConfig(...)`, a `--flag-with-dashes` of `infinigen generate`, `demo`, `skew`
-and `bench decode` (booleans also `--no-...`), and a `KEY=VALUE` of `infinigen eval --set`; `none`
-restores an optional setting's default.
+and `bench decode` (booleans also `--no-...`), and a `KEY=VALUE` of `infinigen eval --set`; `default`
+restores a setting's default and `none` unsets an optional one.
 
 **user** settings are what a user chooses: the policy and its budget, where the KV lives and in
 what dtype, the host pool, threads. **advanced** settings are research switches: the method's and

@@ -61,6 +61,10 @@ class PolicySpec:
     summary: str = ""
 
 
+# `compute_memory`'s default: an aim, not a limit. An offloading policy keeps at most this share of
+# dense's KV with the compute where a lossless plan can; the leanest lossless plan where none can.
+AUTO = "auto"
+AUTO_SHARE = "12.5%"
 SELECTING_BUDGET = 0.1  # the budget of every selecting policy unless one is given: 10 % of the context
 POLICIES: dict[str, PolicySpec] = {
     "infinigen": PolicySpec(
@@ -290,12 +294,14 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     )
     eviction: str = knob("counter", "host pool victim: counter (least fetched), lru or fifo", one_of(EVICTIONS))
     compute_memory: str | None = knob(
-        None,
+        AUTO,
         "the most KV-related bytes kept next to the compute: a size (e.g. 512MiB) or a share of what dense "
         "keeps for the same batch and positions (e.g. 12.5%); the cache gives up block cache, then shrinks the "
         "disk's rounds of reads, then reads the dense layers from the tier in chunks, then lowers partial-key "
-        "precision, to fit, and refuses a request that cannot; default: no budget",
-        size_or_share(),
+        "precision, to fit, and refuses a request that cannot. auto (the default): an offloading policy aims at "
+        f"{AUTO_SHARE} of dense's KV with the lossless steps alone, and takes the leanest of them where that "
+        "share cannot be met (reported, not refused); none: no budget",
+        Rule(f"auto, or {size_or_share().text}", lambda v: v == AUTO or size_or_share().ok(v)),
     )
     measure_recall: bool = knob(
         False, "also compute dense attention to report recall (evaluation only; slow)", advanced=True
@@ -332,10 +338,18 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     def spec(self) -> PolicySpec:
         return POLICIES[self.policy]
 
+    @property
+    def aims(self) -> bool:
+        """Whether `compute_memory` is the default aim (`AUTO`) rather than a limit."""
+        return self.compute_memory == AUTO
+
     def compute_memory_bytes(self, dense_kv_bytes: int) -> int | None:
         """`compute_memory` in bytes (None: no budget), a share taken of `dense_kv_bytes` (what
-        dense keeps for the request, in the KV's storage dtype)."""
-        return None if self.compute_memory is None else resolve_size(self.compute_memory, dense_kv_bytes)
+        dense keeps for the request, in the KV's storage dtype). The aim applies to offloading
+        policies only: one that keeps the KV with the compute has nothing to plan."""
+        if self.compute_memory is None or (self.aims and self.spec.placement != "offload"):
+            return None
+        return resolve_size(AUTO_SHARE if self.aims else self.compute_memory, dense_kv_bytes)
 
     @property
     def read_chunk_bytes(self) -> int:
