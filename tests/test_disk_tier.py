@@ -515,8 +515,8 @@ def test_capacity_and_bad_selections(kv_dir):
 @pytest.mark.parametrize("cache", [0.0, 0.3])
 def test_a_large_gather_reads_in_bounded_chunks_and_is_still_bit_identical(kv_dir, gather_path, cache, monkeypatch):
     """A gather of many regions is read a few regions at a time through one buffer of about
-    READ_CHUNK bytes (not one buffer as large as the layer's selection), with the same rows and
-    the same counts as one read of everything."""
+    READ_CHUNK bytes (not one buffer as large as the layer's selection), with the same rows as one
+    read of everything and no more bytes."""
     import infinigen.storage.disk as disk_module
 
     gen = torch.Generator().manual_seed(4)
@@ -534,47 +534,52 @@ def test_a_large_gather_reads_in_bounded_chunks_and_is_still_bit_identical(kv_di
             assert torch.equal(kr, kd) and torch.equal(vr, vd)
             results.append((disk.stats.bytes, disk.stats.rows, disk.threads.nbytes))
     (bytes_all, rows_all, buffer_all), (bytes_chunked, rows_chunked, buffer_chunked) = results
-    assert (bytes_all, rows_all) == (bytes_chunked, rows_chunked)
+    assert rows_all == rows_chunked
+    assert bytes_chunked <= bytes_all  # rounds end where blocks start; a gap between them is not read
     assert buffer_chunked < buffer_all
 
 
-def _counting(read_chunk, calls: list[int]):
-    """`read_chunk`, noting how many rows each call reads."""
+def _counting(read_chunk, calls: list[tuple[int, int]]):
+    """`read_chunk`, noting the rows and the bytes each call reads."""
 
     def counted(region, pos, tail_pos, rows):
-        calls.append(len(pos))
-        return read_chunk(region, pos, tail_pos, rows)
+        got = read_chunk(region, pos, tail_pos, rows)
+        calls.append((len(pos), got[0]))
+        return got
 
     return counted
 
 
 @pytest.mark.parametrize("cache", [0.0, 0.3])
-def test_one_region_over_the_chunk_is_read_in_runs_of_its_rows(kv_dir, gather_path, cache, monkeypatch):
-    """A single region whose selection alone could need more than READ_CHUNK (a long context at
-    batch 1) is read in runs of its rows, each within the chunk: the same rows as the RAM tier,
-    and no fewer bytes than one read of everything (a block two runs share is read by both)."""
-    import infinigen.storage.disk as disk_module
-
+def test_rounds_of_reads_hold_their_blocks_within_read_chunk(kv_dir, gather_path, cache, monkeypatch):
+    """A gather reads in rounds of at most `read_chunk` bytes of blocks, counted as read: rows that
+    share blocks (pages of 16 rows here) cost their blocks once, so a selection of whole pages
+    takes a round per `read_chunk` of pages, and a scattered one a round per few rows; every row
+    is the RAM tier's."""
     gen = torch.Generator().manual_seed(5)
-    calls: list[int] = []
-    results = []
-    for chunk in (1 << 30, 4 * 3 * 4096):  # everything at once, then runs of 4 rows
-        monkeypatch.setattr(disk_module, "READ_CHUNK", chunk)
+    chunk = 4 * 4096  # four blocks, 64 positions of 256 bytes
+    for pages in (True, False):
         gen.manual_seed(5)
-        ram, disk = _pair(kv_dir, b=1, h=1, cache_fraction=cache)
+        ram, disk = _pair(kv_dir, b=1, h=1, cache_fraction=cache, read_chunk=chunk)
         with disk:
-            _append_both(ram, disk, PREFILL, gen)
-            calls.clear()
+            _append_both(ram, disk, PREFILL, gen)  # 300 positions: 18 whole blocks on disk, the tail in RAM
+            calls: list[tuple[int, int]] = []
             monkeypatch.setattr(disk, "_read_chunk", _counting(disk._read_chunk, calls))
-            idx, valid = _selection(1, 1, 60, ram.length, gen, p_valid=1.0)
+            if pages:  # blocks 0-3 and 10-13, whole: two rounds of four blocks
+                pos = torch.cat([torch.arange(0, 64), torch.arange(160, 224)]).view(1, 1, -1)
+                idx, valid = pos, torch.ones_like(pos, dtype=torch.bool)
+            else:
+                idx, valid = _selection(1, 1, 60, ram.length, gen, p_valid=1.0)
             kr, vr = ram.gather(idx, valid, torch.device("cpu"), torch.float32)
             kd, vd = disk.gather(idx, valid, torch.device("cpu"), torch.float32)
             assert torch.equal(kr, kd) and torch.equal(vr, vd)
-            results.append((disk.stats.bytes, disk.stats.rows, list(calls)))
-    (bytes_all, rows_all, calls_all), (bytes_runs, rows_runs, calls_runs) = results
-    assert calls_all == [60] and calls_runs == [4] * 15
-    assert rows_runs == rows_all == 60
-    assert bytes_runs >= bytes_all
+            assert sum(rows for rows, _ in calls) == int(valid.sum())
+            assert all(nbytes <= chunk for _, nbytes in calls), calls
+            if pages:
+                assert [rows for rows, _ in calls] == [64, 64]
+                assert disk.stats.bytes == 8 * 4096
+            else:
+                assert len(calls) >= disk.stats.bytes // chunk
 
 
 def test_a_range_reads_the_blocks_it_covers_once_per_region(kv_dir):

@@ -708,31 +708,45 @@ class DiskTier(KVTier):
         return k, v
 
     def _read_records(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
-        """`_read_chunk` over runs of rows whose blocks fit `read_chunk` bytes: whole regions,
-        and a region that alone is over it (a long context at a small batch) in runs of its rows,
-        so that the read buffer stays that size however large the batch and the context (one
-        buffer the size of a whole layer's selection was up to a layer of KV kept with the compute).
-        Rows come sorted by file offset; a block that two runs share is read by both."""
-        per_row = self.block_size * (1 + self.coalesce_gap_blocks)  # a row's most blocks, merged gaps included
-        ends = np.append(np.flatnonzero(np.diff(region)) + 1, len(pos))  # where each region's rows end
-        begins = np.concatenate(([0], ends[:-1]))
-        chunk = self.read_chunk
-        most = max(chunk // per_row, 1)  # rows of one region per read when the region is over the chunk
-        pieces: list[tuple[int, int]] = []  # (first row, what it can need in the buffer)
-        for begin, end in zip(begins.tolist(), ends.tolist()):
-            cost = min((end - begin) * per_row, self.region_bytes)
-            if cost <= chunk:
-                pieces.append((begin, cost))
-            else:
-                pieces.extend((a, min(end - a, most) * per_row) for a in range(begin, end, most))
-        total, first, spent = (0, 0, 0, 0), 0, 0
-        for begin, c in pieces:
-            if spent and spent + c > chunk:  # this piece starts the next chunk
-                got = self._read_chunk(region[first:begin], pos[first:begin], tail_pos, rows[first:begin])
-                total, first, spent = tuple(a + b for a, b in zip(total, got)), begin, 0
-            spent += c
-        got = self._read_chunk(region[first:], pos[first:], tail_pos, rows[first:])
-        return tuple(a + b for a, b in zip(total, got))
+        """`_read_chunk` over rounds of rows whose blocks fit `read_chunk` bytes, so that the read
+        buffer stays that size however large the batch and the context (one buffer the size of a
+        whole layer's selection was up to a layer of KV kept with the compute). A round's bytes are
+        counted as the gather reads them (`_round_costs`), and rounds split where a block starts:
+        rows that share blocks (a page, a run) cost their blocks once, not a block each.
+        Rows come sorted by file offset."""
+        cost = self._round_costs(region, pos, tail_pos)
+        cum = np.cumsum(cost)
+        starts = np.flatnonzero(cost)  # the rows that open a block
+        room = self.read_chunk - self.block_size  # a round's first row opens its first block
+        total, first, m = (0, 0, 0, 0), 0, len(pos)
+        while first < m:
+            end = int(np.searchsorted(cum, cum[first] + room, side="right"))
+            if end < m and cost[end] == 0:  # do not split a block: end the round where it starts
+                opener = starts[np.searchsorted(starts, end, side="right") - 1] if len(starts) else 0
+                end = int(opener) if opener > first else end
+            end = max(end, first + 1)
+            got = self._read_chunk(region[first:end], pos[first:end], tail_pos, rows[first:end])
+            total, first = tuple(a + b for a, b in zip(total, got)), end
+        return total
+
+    def _round_costs(self, region: np.ndarray, pos: np.ndarray, tail_pos: int) -> np.ndarray:
+        """The read buffer's bytes each row adds to a round that holds the rows before it, as the
+        gather lays its reads out without a block cache (a cache only makes them fewer): a row that
+        opens a block adds that block, and the blocks of the gap before it when the gap is short
+        enough to be merged into the previous run; a row in the previous row's block, or in the
+        RAM tail, adds nothing."""
+        blk, gap = self.block_size, self.coalesce_gap_blocks
+        cost = np.zeros(len(pos), dtype=np.int64)
+        disk = np.flatnonzero(pos < tail_pos)
+        if not len(disk):
+            return cost
+        if self.record_bytes > blk:  # records of whole blocks: each costs its blocks and a gap at most
+            cost[disk] = self.record_bytes + gap * blk
+            return cost
+        block = (region[disk] * self.region_bytes + pos[disk] * self.record_bytes) // blk
+        step = np.diff(block, prepend=-(gap + 2))  # the first opens a run of its own
+        cost[disk] = np.where(step == 0, 0, np.where(step <= gap + 1, step, 1)) * blk
+        return cost
 
     def _read_chunk(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
         """The records of positions (region, pos), sorted by file offset, into rows [m, rec]:
