@@ -23,11 +23,12 @@ def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys
     Gemma3ForCausalLM(cfg).eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     out = tmp_path / "bench"
-    rc, _, err = run_cli(
+    rc, said, err = run_cli(
         capsys, "bench", "decode", "--model", str(folder), "--contexts", "64", "--batches", "2", "--steps", "2",
         "--policies", "dense,dense-hf,full", "--out", str(out),
     )  # fmt: skip
     assert rc == 0, err
+    assert "every offloading policy aiming at 12.5% of dense's KV with the compute (compute_memory auto" in said
     rows = {r["policy"]: r for r in json.loads((out / "bench_decode.json").read_text())["rows"]}
     local = _HYBRID.count("sliding_attention")
     window = 2 * 2 * heads * (WINDOW - 1) * head_dim  # K and V of every batch row's window, per byte of a value
@@ -37,11 +38,12 @@ def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys
     assert rows["dense-hf"]["local_kv_bytes"] == local * window * 4  # transformers' cache: as computed
     assert all(r["correction_ms_per_step"] == 0.0 for r in rows.values())  # nothing here tops up
     assert rows["dense-hf"]["plan"] is None and rows["full"]["plan"]["compute_memory"] == "auto"  # the default aim
-    rc, _, err = run_cli(
+    rc, said, err = run_cli(
         capsys, "bench", "decode", "--model", str(folder), "--contexts", "64", "--batches", "2", "--steps", "2",
         "--policies", "full", "--compute-memory", "1000%", "--out", str(out),
     )  # fmt: skip
     assert rc == 0, err
+    assert "every offloading policy within compute_memory 1000%" in said
     (row,) = json.loads((out / "bench_decode.json").read_text())["rows"]
     assert row["plan"]["compute_memory"] == "1000%"  # as written, and what it came to for this row
     assert (

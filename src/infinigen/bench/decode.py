@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from infinigen.cli_settings import DISK_DEFAULTS, add_arguments, from_arguments
-from infinigen.config import POLICIES, InfiniGenConfig
+from infinigen.config import AUTO_SHARE, POLICIES, InfiniGenConfig
 from infinigen.figures import pyplot
 from infinigen.memory import dense_kv_bytes
 from infinigen.provenance import commit, machine
@@ -465,9 +465,18 @@ def run_parent(args: argparse.Namespace) -> int:
             r["dense_reference"] = best["policy"]
             r["rss_saving_vs_dense_bytes"] = best["peak_rss_bytes"] - r["peak_rss_bytes"]
     table = _fmt_table(rows)
+    if base.compute_memory is None:
+        memory = "no compute_memory budget"
+    elif base.aims:
+        memory = (
+            f"every offloading policy aiming at {AUTO_SHARE} of dense's KV with the compute (compute_memory auto: "
+            "full fetch and the dense layers read in chunks where that needs it; --compute-memory none for none)"
+        )
+    else:
+        memory = f"every offloading policy within compute_memory {base.compute_memory}"
     note = (
         f"tier={base.tier} (KV stored as {base.kv_dtype}; compute fp32 on CPU; block cache {base.block_cache} of each "
-        f"layer's blocks), {args.steps} decode steps after prefill, tok/s over steps 2..N"
+        f"layer's blocks; {memory}), {args.steps} decode steps after prefill, tok/s over steps 2..N"
         + (f", median of {args.repeats} interleaved runs" if args.repeats > 1 else "")
         + ". 'x dense': against the "
         "faster of dense (preallocated) and dense-hf (DynamicCache). Per token: 'tier MiB' read from the slow "
