@@ -242,7 +242,7 @@ def _loosen(config, candidate, lean, changes: tuple[str, ...], fits: _Fits, posi
             rounds = step * _largest(
                 lambda n: fits(lean.replace(read_chunk=str(n * step))), PLANNED_READ_CHUNK // step, rounds // step
             )
-            changes = (*changes, f"disk read rounds {config.read_chunk} -> {format_bytes(rounds)}")
+            changes = (*changes, _rounds_change(config, rounds))
         candidate, lean = candidate.replace(read_chunk=str(rounds)), lean.replace(read_chunk=str(rounds))
     if candidate.fetch_chunk != config.fetch_chunk:  # chunks the plan chose: the largest that fits
         chunk = _largest(lambda c: fits(lean.replace(fetch_chunk=c)), candidate.fetch_chunk, positions)
@@ -256,7 +256,7 @@ def _loosen(config, candidate, lean, changes: tuple[str, ...], fits: _Fits, posi
         fitted = candidate.replace(block_cache=math.floor(low * 1e4) / 1e4)  # rounded down: it still fits
         if not fits(fitted):
             fitted = lean
-        changes = (*changes, f"block cache {config.block_cache:g} -> {fitted.block_cache:g}")
+        changes = (*changes, _block_cache_change(config, fitted.block_cache))
         candidate = fitted
     return candidate, changes
 
@@ -265,10 +265,18 @@ def _leaned(config, lean, changes: tuple[str, ...]) -> tuple[str, ...]:
     """The changes from `config` to `lean` (a candidate at its leanest), in the words `_loosen` uses."""
     changes = tuple(f"{c} of {lean.fetch_chunk} positions" if c == CHUNKED else c for c in changes)
     if lean.block_cache != config.block_cache:
-        changes = (*changes, f"block cache {config.block_cache:g} -> 0")
+        changes = (*changes, _block_cache_change(config, lean.block_cache))
     if lean.read_chunk != config.read_chunk:
-        changes = (*changes, f"disk read rounds {config.read_chunk} -> {format_bytes(lean.read_chunk_bytes)}")
+        changes = (*changes, _rounds_change(config, lean.read_chunk_bytes))
     return changes
+
+
+def _block_cache_change(config, fraction: float) -> str:
+    return f"block cache {config.block_cache:g} -> {fraction:g}"
+
+
+def _rounds_change(config, nbytes: int) -> str:
+    return f"disk read rounds {config.read_chunk} -> {format_bytes(nbytes)}"
 
 
 def _lean(config):

@@ -517,7 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo",
-        help="dense (RAM), full fetch and InfiniGen (disk, also within 12.5%% of dense's KV) side by side on a long prompt",
+        help="dense (RAM), full fetch and InfiniGen (disk; by default within 12.5%% of dense's KV, and again without "
+        "that aim) side by side on a long prompt",
     )
     _add_model_args(d)
     _add_prompt_args(d, "--prompt-tokens tokens of Milton's Areopagitica", DEMO_NEW_TOKENS)

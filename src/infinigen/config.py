@@ -65,6 +65,7 @@ class PolicySpec:
 # dense's KV with the compute where a lossless plan can; the leanest lossless plan where none can.
 AUTO = "auto"
 AUTO_SHARE = "12.5%"
+_SIZE_OR_SHARE = size_or_share()
 SELECTING_BUDGET = 0.1  # the budget of every selecting policy unless one is given: 10 % of the context
 POLICIES: dict[str, PolicySpec] = {
     "infinigen": PolicySpec(
@@ -301,7 +302,7 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         "precision, to fit, and refuses a request that cannot. auto (the default): an offloading policy aims at "
         f"{AUTO_SHARE} of dense's KV with the lossless steps alone, and takes the leanest of them where that "
         "share cannot be met (reported, not refused); none: no budget",
-        Rule(f"auto, or {size_or_share().text}", lambda v: v == AUTO or size_or_share().ok(v)),
+        Rule(f"auto, or {_SIZE_OR_SHARE.text}", lambda v: v == AUTO or _SIZE_OR_SHARE.ok(v)),
     )
     measure_recall: bool = knob(
         False, "also compute dense attention to report recall (evaluation only; slow)", advanced=True

@@ -645,11 +645,16 @@ class DiskTier(KVTier):
         offsets = (run_buf[which] - run_first[which]) * blk + start
         return runs, offsets, nbytes
 
+    def _merged(self, steps: np.ndarray) -> np.ndarray:
+        """Whether a block `steps` blocks after the previous one read joins its run: the gap
+        between them is at most `coalesce_gap_blocks` (the rule the C gather applies too)."""
+        return steps <= self.coalesce_gap_blocks + 1
+
     def _runs(self, blocks: np.ndarray):
         """Sorted unique blocks merged into runs across gaps of at most `coalesce_gap_blocks`.
         Returns (runs, buffer byte offset of every block, buffer bytes)."""
         blk = self.block_size
-        cut = np.nonzero(np.diff(blocks) > self.coalesce_gap_blocks + 1)[0] + 1
+        cut = np.nonzero(~self._merged(np.diff(blocks)))[0] + 1
         run_first = blocks[np.concatenate(([0], cut))]
         run_last = blocks[np.concatenate((cut - 1, [len(blocks) - 1]))]
         run_len = run_last - run_first + 1
@@ -745,7 +750,7 @@ class DiskTier(KVTier):
             return cost
         block = (region[disk] * self.region_bytes + pos[disk] * self.record_bytes) // blk
         step = np.diff(block, prepend=-(gap + 2))  # the first opens a run of its own
-        cost[disk] = np.where(step == 0, 0, np.where(step <= gap + 1, step, 1)) * blk
+        cost[disk] = np.where(step == 0, 0, np.where(self._merged(step), step, 1)) * blk
         return cost
 
     def _read_chunk(self, region: np.ndarray, pos: np.ndarray, tail_pos: int, rows: torch.Tensor):
