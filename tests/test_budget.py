@@ -65,6 +65,45 @@ def test_the_estimate_of_a_sliding_window_model_counts_windows(tiny_window_model
     assert measured.parts["local_layers"] <= plan.parts["local_layers"] <= 1.5 * measured.parts["local_layers"]
 
 
+@pytest.mark.parametrize("policy, tier", [("full", "disk"), ("infinigen", "disk"), ("infinigen", "ram")])
+def test_the_estimate_of_windows_read_from_the_tier(tiny_window_model, tmp_path, policy, tier):
+    """Windows read back each step: nothing of them kept, a window's rows in the transfer buffers,
+    a window's span in the disk tier's read buffer; the estimate holds to what is measured."""
+    cfg = InfiniGenConfig(
+        policy=policy, tier=tier, kv_dir=str(tmp_path), budget=0.25, calibration_tokens=64, kv_dtype="float16",
+        windows_on_compute=False, compute_memory=None,
+    )  # fmt: skip
+    measured, plan, _ = _generate(tiny_window_model, cfg, max_length=P + N, batch=B)
+    assert measured.parts["local_layers"] == 0 == plan.parts["local_layers"]
+    # five tiers' tails here: the read buffer's doubling bound and the staging sized for every
+    # position (the prompt is shorter) stand out more than on the four-layer model above
+    for part, held in measured.parts.items():
+        assert held <= plan.parts[part], part
+        assert plan.parts[part] <= 1.05 * held + (2 * SLACK if part == "tier_buffers" else 128), part
+
+
+def test_a_budget_reads_the_windows_from_the_tier_when_keeping_them_does_not_fit(tiny_window_model):
+    """Sliding windows read back each step are a lossless step of the plan: a budget that only
+    reading them back meets gets them read back, and the same greedy tokens as no budget."""
+    base = InfiniGenConfig(budget=0.25, calibration_tokens=64, kv_dtype="float16", tier="ram", compute_memory=None)
+    read_back = _needs(base.replace(windows_on_compute=False), tiny_window_model)
+    assert read_back < _needs(base, tiny_window_model)
+    ids = _ids()
+    tokens = {}
+    for memory in (str(read_back), None):
+        with attach(tiny_window_model, base.replace(compute_memory=memory), progress=False) as session:
+            with session.new_cache(max_length=P + N, batch=B) as cache:
+                tokens[memory] = tiny_window_model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=N,
+                    do_sample=False, pad_token_id=0,
+                )  # fmt: skip
+                if memory is not None:
+                    plan, measured = cache.plan, cache.memory()
+    assert budget.WINDOWS in plan.changes and not plan.config.windows_on_compute
+    assert measured.parts["local_layers"] == 0 and measured.compute_kv_bytes <= plan.total <= read_back
+    assert torch.equal(tokens[str(read_back)], tokens[None])
+
+
 @pytest.fixture
 def tiny_window_model():
     from conftest import tiny_variant

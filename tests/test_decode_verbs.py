@@ -35,7 +35,9 @@ def test_the_fetched_fraction_is_of_the_real_context():
 
 def test_roles_are_their_names():
     assert Role.SELECT == "select" and json.dumps(Role.FETCH_ALL) == '"fetch_all"' and f"{Role.LOCAL}" == "local"
-    assert [r for r in Role if r.offloaded] == [Role.FETCH_ALL, Role.SELECT]
+    assert [r for r in Role if r.offloaded] == [Role.FETCH_ALL, Role.SELECT, Role.WINDOW]
+    assert [r for r in Role if r.sliding] == [Role.LOCAL, Role.WINDOW]
+    assert InfiniGenConfig(windows_on_compute=False).layer_role(0, local=True) == "window"
     cfg = InfiniGenConfig(dense_layers=2)
     assert [cfg.layer_role(i) for i in range(3)] == [Role.COMPUTE, Role.COMPUTE, Role.SELECT]
     assert cfg.layer_role(5, local=True) is Role.LOCAL

@@ -17,6 +17,7 @@ from infinigen import InfiniGenConfig, attach
 from infinigen.eval.evaluator import Evaluator
 from infinigen.eval.stepwise import forced_logits
 from infinigen.models import UnsupportedModelError, get_adapter
+from infinigen.roles import Role
 
 FETCH_ALL = InfiniGenConfig(alpha=math.inf, budget=1.0, calibration_tokens=64)
 # Partial keys in the KV's dtype: the evaluator forms the keys in one forward, decode one step at a time,
@@ -53,7 +54,8 @@ def test_full_fetch_equals_the_model_with_its_own_cache(name, policy):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     adapter = session.adapter
     roles = [p["role"] for p in cache.summary()["per_layer"]]
-    assert [r == "local" for r in roles] == [adapter.is_local(i) for i in range(adapter.num_layers)]
+    # a sliding layer keeps its window, or reads it back where the default memory aim plans so
+    assert [Role(r).sliding for r in roles] == [adapter.is_local(i) for i in range(adapter.num_layers)]
 
 
 @pytest.mark.parametrize("name", [v for v in VARIANTS if v != "mistral-sliding"])
@@ -93,10 +95,12 @@ def test_calibrated_budgets_average_over_the_selecting_layers_only(name):
 @pytest.mark.parametrize("kv_dtype", [None, "float16"])
 def test_local_layers_hold_only_their_window(name, kv_dtype):
     """Local layers keep window - 1 positions with the compute, in the KV's storage dtype, and are
-    never offloaded: the offloaded bytes are those of the global layers alone."""
+    not offloaded without a budget (`windows_on_compute`): the offloaded bytes are those of the
+    global layers alone."""
     model = tiny_variant(name)
     ids, mask = _batch()
-    with attach(model, InfiniGenConfig(policy="full", kv_dtype=kv_dtype), progress=False) as session:
+    config = InfiniGenConfig(policy="full", kv_dtype=kv_dtype, compute_memory=None)
+    with attach(model, config, progress=False) as session:
         cache = session.new_cache()
         _generate(model, ids, mask, cache)
     a = session.adapter
@@ -122,6 +126,9 @@ FORCED = {
     # every layer kept or stored in 16 bits: local windows and dense layers too, the current token exact
     "infinigen-fp16": SPARSE.replace(kv_dtype="float16"),
     "int4": InfiniGenConfig(policy="int4", kv_dtype="float16"),
+    # the sliding windows read back from the tier each step (the same rows, counted as read)
+    "full-windows": InfiniGenConfig(policy="full", windows_on_compute=False, measure_recall=True),
+    "infinigen-windows": SPARSE.replace(kv_dtype="float16", windows_on_compute=False),
 }
 
 
@@ -239,3 +246,65 @@ def _gemma_config(**changes):
     for k, v in changes.items():
         setattr(cfg, k, v)
     return cfg
+
+
+WINDOWED = {  # policies whose sliding windows may be read back from the tier, and models that have them
+    "full": (InfiniGenConfig(policy="full"), HYBRID),
+    "infinigen": (SPARSE, ["gemma3", "qwen2-hybrid"]),
+}
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+@pytest.mark.parametrize("policy, name", [(p, n) for p, (_, names) in WINDOWED.items() for n in names])
+def test_windows_read_from_the_tier_decode_as_kept_windows(tmp_path, policy, name, tier):
+    """`windows_on_compute=False`: the sliding layers' KV lives in the tier and each step reads its
+    window back: the same tokens and logits as windows kept with the compute (float32 KV, so the
+    read is exact), nothing of them kept, and the window's rows counted as read."""
+    model = tiny_variant(name)
+    ids, mask = _batch()
+    base = WINDOWED[policy][0].replace(tier=tier, kv_dir=str(tmp_path), compute_memory=None)
+    runs = {}
+    for kept in (True, False):
+        with attach(model, base.replace(windows_on_compute=kept), progress=False) as session:
+            cache = session.new_cache()
+            runs[kept] = (_generate(model, ids, mask, cache), cache.summary(), cache.storage.layers)
+    (kept_out, kept_s, kept_layers), (out, s, layers) = runs[True], runs[False]
+    assert torch.equal(out.sequences, kept_out.sequences)
+    for a, b in zip(out.logits, kept_out.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    a = session.adapter
+    local = [i for i in range(a.num_layers) if a.is_local(i)]
+    assert [p["role"] for p in s["per_layer"] if p["layer"] in local] == ["window"] * len(local)
+    assert s["local_kv_bytes"] == 0 == s["memory"]["compute_parts"]["local_layers"]
+    assert kept_s["memory"]["compute_parts"]["local_layers"] > 0
+    assert layers == kept_layers + len(local)
+    per_row = 2 * a.num_kv_heads * a.head_dim * 4  # K and V of one position, float32
+    # each of the 7 decode steps reads the last WINDOW - 1 stored positions of every sliding layer
+    windows = 7 * (WINDOW - 1) * ids.shape[0] * len(local)
+    assert s["bytes_fetched"] - kept_s["bytes_fetched"] == windows * per_row
+    fractions = [p["fetched_fraction"] for p in s["per_layer"] if p["layer"] in local]
+    assert fractions == pytest.approx([sum((WINDOW - 1) / (ids.shape[1] + k) for k in range(7)) / 7] * len(local))
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2-hybrid"])
+def test_windows_read_from_the_tier_after_a_chunked_prefill(name):
+    """A prefill in chunks reads each sliding layer's window back for every chunk after the first
+    (under the model's own sliding mask): the same next-token logits as transformers' cache."""
+    from infinigen.prefill import chunked_prefill
+
+    model = tiny_variant(name)
+    ids = torch.randint(3, VOCAB, (1, 3 * WINDOW + 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits[:, -1]
+    config = InfiniGenConfig(policy="full", windows_on_compute=False, compute_memory=None)
+    with attach(model, config, progress=False) as session, session.new_cache() as cache:
+        got = chunked_prefill(model, ids, cache, chunk=WINDOW - 3).logits[:, -1]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_windows_are_read_back_only_from_a_tier_that_stores_them_exactly():
+    from infinigen.config import ConfigError
+
+    with pytest.raises(ConfigError, match="windows_on_compute=False reads the sliding windows back exactly"):
+        InfiniGenConfig(policy="int4", windows_on_compute=False)
+    assert InfiniGenConfig(policy="dense", windows_on_compute=False).layer_role(0, local=True) == "local"

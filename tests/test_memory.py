@@ -113,7 +113,7 @@ def test_a_closed_cache_reports_what_it_kept_when_it_closed():
 
 def test_sliding_window_layers_count_their_window_for_dense_and_for_the_cache():
     model = tiny_variant("gemma3")
-    report, _, cache = _run(model, InfiniGenConfig(policy="full", kv_dtype="float16"))
+    report, _, cache = _run(model, InfiniGenConfig(policy="full", kv_dtype="float16", compute_memory=None))
     a = get_adapter(model)
     local = [i for i in range(a.num_layers) if a.is_local(i)]
     assert local and len(local) < a.num_layers

@@ -11,7 +11,8 @@ lossless changes first: the disk tier's block cache shrinks, then its rounds of 
 (`read_chunk`, down to `PLANNED_READ_CHUNK`; speed only); then the layers that read every row
 read it in chunks (`fetch_chunk`: the largest chunk the budget leaves, at least
 `PLANNED_FETCH_CHUNK`), the dense layers read from the tier instead of kept (speed only); then
-InfiniGen's partial keys go to a lower precision (int8, then int4: `partial_format`). A request
+the sliding-window layers' windows read back from the tier each step (`windows_on_compute`;
+speed only); then InfiniGen's partial keys go to a lower precision (int8, then int4: `partial_format`). A request
 that does not fit even then is refused in one sentence (`MemoryBudgetError`), before any KV is
 computed.
 
@@ -42,6 +43,7 @@ PLANNED_FETCH_CHUNK = 512
 # The smallest round of disk reads a plan shrinks `read_chunk` to (a quarter of the largest request).
 PLANNED_READ_CHUNK = 256 << 10
 CHUNKED = "every-row reads in chunks"  # a plan's change; the chunk it sized follows
+WINDOWS = "sliding windows read from the tier"
 
 
 class MemoryBudgetError(InputError):
@@ -68,7 +70,7 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
     compute_item = _itemsize(compute_dtype)
     rows_item = _itemsize(rows_dtype(config.spec.fmt, kv_dtype, compute_dtype))  # a selection's rows
     parts = dict.fromkeys(PARTS, 0)
-    roles = [config.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
+    roles = _roles(config, adapter)
     offloaded = [i for i, r in enumerate(roles) if r.offloaded]
     whole_layer = b * hkv * n * d * 2 * _itemsize(kv_dtype)  # a layer kept whole, in the storage dtype
     for i, role in enumerate(roles):
@@ -80,59 +82,72 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
             parts["speculation_state"] += selector.state_bytes(i, b, n, n, kv_dtype)  # reserved for n
     held = transfer_rows(config, adapter, selector, n)
     pair = 2 * b * hkv * d  # elements of one row slot, K and V
-    # a pair per parity and kind, reserved for the most rows a step reads (transfer.RowBuffers)
-    parts["transfer_buffers"] = pair * (
-        len(held.stored_parities) * held.stored * rows_item + len(held.whole_parities) * held.whole * compute_item
-    )
+    # a pair per parity and kind, reserved for the most rows a step of that parity reads (transfer.RowBuffers)
+    parts["transfer_buffers"] = pair * (sum(held.stored) * rows_item + sum(held.whole) * compute_item)
     chunked = {i % 2 for i, r in enumerate(roles) if r == Role.FETCH_ALL} if config.fetch_chunk else set()
     # a layer read in chunks lands the next chunk in a second pair of its parity (one chunk)
     parts["transfer_buffers"] += len(chunked) * pair * min(config.fetch_chunk, n) * rows_item
     parts["metadata"] = b * 2 * n  # which positions are real (bool), grown by doubling
     if offloaded and config.spec.placement == "offload" and config.tier == "disk" and config.spec.fmt != "int4":
-        every_row = any(roles[i] == Role.FETCH_ALL for i in offloaded)
-        _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, max(held.stored, held.whole), every_row)
+        span = max((_range_read(config, adapter, i, r, n) for i, r in enumerate(roles)), default=0)
+        _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, held.most, span)
     return parts
+
+
+def _roles(config, adapter) -> list[Role]:
+    return [config.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
+
+
+def _range_read(config, adapter, layer: int, role: Role, positions: int) -> int:
+    """The positions of one region a step's range read of `layer` takes: every row (all at once
+    or a chunk at a time), a sliding window; 0 for a layer that reads no range."""
+    if role == Role.FETCH_ALL:
+        return min(config.fetch_chunk, positions) if config.fetch_chunk else positions
+    if role == Role.WINDOW:
+        return min(adapter.window(layer) - 1, positions)
+    return 0
 
 
 @dataclass(frozen=True)
 class TransferRows:
     """The most rows one step of an offloaded layer reads, by the kind of buffer they land in
-    (`transfer.RowBuffers`): `stored`, a selection's rows or a chunk of every row, in the tier's
-    dtype; `whole`, every row of a layer read at once and the new token, in the compute dtype.
-    The parities say which of the two pairs of each kind some layer uses."""
+    (`transfer.RowBuffers`) and by the parity of the layer's index (layers of one parity share a
+    pair of each kind): `stored`, a selection's rows, a chunk of every row or a window, in the
+    tier's dtype; `whole`, every row of a layer read at once and the new token, in the compute
+    dtype. 0: no layer of that parity uses the kind."""
 
-    stored: int = 0
-    whole: int = 0
-    stored_parities: frozenset[int] = frozenset()
-    whole_parities: frozenset[int] = frozenset()
+    stored: tuple[int, int] = (0, 0)
+    whole: tuple[int, int] = (0, 0)
+
+    @property
+    def most(self) -> int:
+        """The most rows any step reads."""
+        return max(*self.stored, *self.whole)
 
 
 def transfer_rows(config, adapter, selector, positions: int) -> TransferRows:
     """What the transfer buffers of a generation reaching `positions` hold (all zero when nothing
     is offloaded)."""
-    stored = whole = 0
-    stored_parities: set[int] = set()
-    whole_parities: set[int] = set()
-    for i in range(adapter.num_layers):
-        role = config.layer_role(i, local=adapter.is_local(i))
+    stored, whole = [0, 0], [0, 0]
+    for i, role in enumerate(_roles(config, adapter)):
         if not role.offloaded:
             continue
         if role == Role.SELECT and selector is not None:
-            stored = max(stored, min(selector.max_rows(i, positions), positions))
-            stored_parities.add(i % 2)
-        elif config.fetch_chunk:
-            stored = max(stored, min(config.fetch_chunk, positions))  # every row, a chunk at a time
-            stored_parities.add(i % 2)
+            rows = min(selector.max_rows(i, positions), positions)
+        elif role == Role.WINDOW or config.fetch_chunk:  # the window, or every row a chunk at a time
+            rows = _range_read(config, adapter, i, role, positions)
         else:
-            whole = max(whole, positions)  # every row: the past ones and the new token
-            whole_parities.add(i % 2)
-    return TransferRows(stored, whole, frozenset(stored_parities), frozenset(whole_parities))
+            whole[i % 2] = max(whole[i % 2], positions)  # every row: the past ones and the new token
+            continue
+        stored[i % 2] = max(stored[i % 2], rows)
+    return TransferRows(tuple(stored), tuple(whole))
 
 
 def _disk_parts(
-    parts, config, request: Request, hkv: int, d: int, kv_dtype, layers: list[int], rows: int, every_row: bool
+    parts, config, request: Request, hkv: int, d: int, kv_dtype, layers: list[int], rows: int, span: int
 ) -> None:
-    """The disk tier's RAM: block cache (and its maps), tails, the shared read and staging buffers."""
+    """The disk tier's RAM: block cache (and its maps), tails, the shared read and staging buffers.
+    `span`: the most positions of one region a step's range read takes (0: no layer reads a range)."""
     regions = request.batch * hkv
     blk = block_size(Path(config.kv_dir) if config.kv_dir else default_directory())
     record = record_bytes(2 * d * _itemsize(kv_dtype), blk)
@@ -146,8 +161,7 @@ def _disk_parts(
     # reads go a few regions (or a run of one region's rows) at a time through one buffer of about read_chunk
     layer = regions * min(region_blocks, rows) * blk
     read = min(layer, config.read_chunk_bytes)
-    if every_row:  # a range read (every row, or a chunk of them) takes one region's span at least
-        span = min(config.fetch_chunk, request.positions) if config.fetch_chunk else request.positions
+    if span:  # a range read (every row, a chunk of them, a window) takes one region's span at least
         read = max(read, (-(-span * record // blk) + 1) * blk)
     parts["tier_buffers"] += max(2 * read, 1 << 16)  # grown by doubling
     chunk = regions * -(-min(request.positions, PREFILL_CHUNK) * record // blk) * blk
@@ -191,7 +205,7 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
         selector = selector_for(config)
         return Plan(config, selector, request, estimate(config, adapter, selector, request, compute_dtype), None, ())
     tried = []  # (parts, the candidate at its leanest, its selector, the changes it made)
-    for candidate, changes in _candidates(config, lossy=not config.aims):
+    for candidate, changes in _candidates(config, adapter, lossy=not config.aims):
         selector = selector_for(candidate)
         size = functools.partial(
             estimate, adapter=adapter, selector=selector, request=request, compute_dtype=compute_dtype
@@ -297,11 +311,13 @@ def _largest(fits, low: int, high: int) -> int:
     return low
 
 
-def _candidates(config, lossy: bool = True):
+def _candidates(config, adapter, lossy: bool = True):
     """Configs to try, in order: as given; then (lossless, slower) the layers that read every row
-    read in chunks, the dense layers among them instead of kept with the compute; then InfiniGen's
-    partial keys int8 / int4, each without and with the chunks (chunks of a short context can hold
-    more than the dense layers they replace). Each with the changes it made."""
+    read in chunks, the dense layers among them instead of kept with the compute; then the sliding
+    windows read back from the tier too; then InfiniGen's partial keys int8 / int4, each without
+    and with those steps (chunks of a short context can hold more than the dense layers they
+    replace). Each with the changes it made; a step that changes no layer of this model is not
+    offered."""
     formats = [(config, ())]
     if lossy and config.policy == "infinigen":
         order = ["kv", "int8", "int4"]
@@ -310,10 +326,13 @@ def _candidates(config, lossy: bool = True):
     out = []
     for candidate, changes in formats:
         out.append((candidate, changes))
-        if config.spec.placement == "offload" and not config.fetch_chunk:
-            chunked = [CHUNKED]  # `plan` names the chunk it sizes
-            if config.spec.selector is not None and config.dense_layers_on_compute:
-                chunked.insert(0, "dense layers read from the tier")
+        if config.spec.placement != "offload":
+            continue
+        roles, lean, steps = set(_roles(candidate, adapter)), candidate, []
+        if not config.fetch_chunk and roles & {Role.COMPUTE, Role.FETCH_ALL}:
+            steps = ["dense layers read from the tier", CHUNKED] if Role.COMPUTE in roles else [CHUNKED]
             lean = candidate.replace(fetch_chunk=PLANNED_FETCH_CHUNK, dense_layers_on_compute=False)
-            out.append((lean, (*chunked, *changes)))
+            out.append((lean, (*steps, *changes)))  # `plan` names the chunk it sizes
+        if Role.LOCAL in roles and config.spec.fmt == "native":
+            out.append((lean.replace(windows_on_compute=False), (*steps, WINDOWS, *changes)))
     return out

@@ -28,6 +28,7 @@ from infinigen.layers import (
     OffloadSettings,
     Positions,
     Shared,
+    WindowLayer,
 )
 from infinigen.memory import MemoryReport, memory_report
 from infinigen.roles import Role
@@ -143,6 +144,8 @@ class InfiniGenCache(SessionCache):
                 )
             elif role == Role.LOCAL:
                 layers.append(LocalLayer(i, adapter.window(i), store_dtype=config.storage_dtype()))
+            elif role == Role.WINDOW:
+                layers.append(WindowLayer(OffloadSettings(i, role), self._shared, adapter.window(i)))
             else:
                 pooled = role == Role.SELECT and config.host_capacity is not None
                 layers.append(OffloadedLayer(OffloadSettings(i, role, pooled), self._shared, selector))

@@ -245,6 +245,12 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         "keep the dense layers' KV with the compute instead of re-reading it from the slow tier",
         advanced=True,
     )
+    windows_on_compute: bool = knob(
+        True,
+        "keep the sliding-window layers' windows with the compute instead of reading each step's window back "
+        "from the slow tier (which then holds every position of those layers; exact, only speed)",
+        advanced=True,
+    )
     fetch_chunk: int = knob(
         0,
         "layers that read every row (full fetch; the dense layers when not kept with the compute) read and "
@@ -298,8 +304,8 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         AUTO,
         "the most KV-related bytes kept next to the compute: a size (e.g. 512MiB) or a share of what dense "
         "keeps for the same batch and positions (e.g. 12.5%); the cache gives up block cache, then shrinks the "
-        "disk's rounds of reads, then reads the dense layers from the tier in chunks, then lowers partial-key "
-        "precision, to fit, and refuses a request that cannot. auto (the default): an offloading policy aims at "
+        "disk's rounds of reads, then reads the dense layers from the tier in chunks, then the sliding "
+        "windows, then lowers partial-key precision, to fit, and refuses a request that cannot. auto (the default): an offloading policy aims at "
         f"{AUTO_SHARE} of dense's KV with the lossless steps alone, and takes the leanest of them where that "
         "share cannot be met (reported, not refused); none: no budget",
         Rule(f"auto, or {_SIZE_OR_SHARE.text}", lambda v: v == AUTO or _SIZE_OR_SHARE.ok(v)),
@@ -319,6 +325,11 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         spec = POLICIES[self.policy]
         if self.host_capacity is not None and spec.selector is None:
             raise ConfigError(f"host_capacity needs a selecting policy (policy {self.policy!r} reads every row)")
+        if not self.windows_on_compute and spec.fmt != "native":
+            raise ConfigError(
+                f"windows_on_compute=False reads the sliding windows back exactly, which policy {self.policy!r} "
+                f"cannot: it stores {spec.fmt} codes"
+            )
         if spec.placement == "offload":  # storage owns which tiers hold what
             try:
                 check_combination(self.tier, spec.fmt, pooled=self.host_capacity is not None)
@@ -364,11 +375,13 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
         """``compute``: the layer's whole KV stays with the compute; ``fetch_all``: it is offloaded
         and every row is read each step; ``select``: offloaded, the selector's rows are read;
         ``local``: a sliding-window layer (`local`, as the model's adapter says), whose KV is
-        bounded by its window and stays with the compute under every policy — never offloaded,
-        never speculated. `dense_layers` counts layers by index, local ones included."""
-        if local:
-            return Role.LOCAL
+        bounded by its window and stays with the compute; ``window``: such a layer of an
+        offloading policy with `windows_on_compute` off, its KV in the tier and its window read
+        back each step. Sliding layers are never speculated. `dense_layers` counts layers by
+        index, local ones included."""
         spec = self.spec
+        if local:
+            return Role.WINDOW if spec.placement == "offload" and not self.windows_on_compute else Role.LOCAL
         if spec.placement == "compute":
             return Role.COMPUTE
         if spec.selector is None:

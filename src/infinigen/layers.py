@@ -9,6 +9,7 @@
                  that layer's compute. Its verbs: issue the transfer, wait on it, append, attend
                  (`transfer.py` has the transfer and the counters, `layer_selector.py` the
                  selector's calls).
+`WindowLayer`   a sliding-window layer offloaded as well: each step reads back its window.
 
 All answer the session's hooks: `own_input` (this layer's normalized attention input arrived),
 `previous_input` (the previous layer's did), and `attend` (the attention call itself).
@@ -425,6 +426,10 @@ class OffloadedLayer(SessionLayer):
         stop = min(chunk, past)
         return Transfer.chunk(self.tier, 0, stop, self.device, self._rows_dtype, self._room(stop), issued_at)
 
+    def _prefill_read(self, past: int) -> Transfer:
+        """What a prefill chunk after the first attends of the past: every row, in the compute dtype."""
+        return Transfer.every_row(self.tier, past, self.device, self.dtype, None, self.index)
+
     def _valid(self, past: int) -> torch.Tensor:
         """[B, Hkv, past]: the positions that exist for each KV head (real, still stored);
         `all_valid` when every one does (no padding, no capped pool), which costs nothing."""
@@ -460,6 +465,10 @@ class OffloadedLayer(SessionLayer):
         if n > 1:  # a prefill chunk after the first: the past, read whole into its own tensors
             return torch.cat([fetched.rows[0], key_states], 2), torch.cat([fetched.rows[1], value_states], 2)
         self.stats.count_step(fetched.fraction)
+        return self._decode_rows(fetched, past, key_states, value_states)
+
+    def _decode_rows(self, fetched: Fetched, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """What a decode step's `update` returns, given its rows (see `update`)."""
         if self.selecting is None and self.shared.fetch_chunk > 0:
             self._first_chunk = (fetched, past)  # the rest is read while attending (`_attend_chunks`)
             return key_states, value_states
@@ -491,7 +500,7 @@ class OffloadedLayer(SessionLayer):
             # A prefill chunk reads the whole past once, into tensors dropped after this layer: the
             # transfer buffers stay sized for a decode step's rows, not grown to the context.
             if n > 1:
-                transfer = Transfer.every_row(self.tier, past, self.device, self.dtype, None, self.index)
+                transfer = self._prefill_read(past)
             else:
                 transfer = self._every_row_step(past, self.index)
         fetched = transfer.wait()
@@ -628,3 +637,59 @@ class OffloadedLayer(SessionLayer):
             return self.stats.evictions, self.stats.pool_slots
         slots = self.tier.capacity * self.tier.batch * self.tier.kv_heads if isinstance(self.tier, PooledTier) else 0
         return self.tier.evictions, slots
+
+
+class WindowLayer(OffloadedLayer):
+    """A sliding-window layer whose KV lives in the slow tier (`windows_on_compute=False`): each
+    decode step reads back the last `window` - 1 positions, a range read issued one layer ahead
+    like every offloaded layer's, and attends them (`attention.attend_stored`, as stored, with
+    the padding and the new token as computed) — what `LocalLayer` attends, without keeping it.
+    A prefill chunk after the first reads the same window and the model's sliding mask applies,
+    with `LocalLayer`'s mask sizes. The tier holds every position (it only appends); the compute
+    keeps a window's rows in the transfer buffers instead of every sliding layer's window."""
+
+    is_sliding = True
+
+    def __init__(self, settings: OffloadSettings, shared: Shared, window: int) -> None:
+        super().__init__(settings, shared, None)
+        if window < 1:
+            raise ValueError(f"a sliding layer needs a window of at least 1 position, got {window}")
+        self.window = window
+        self._window_step: tuple[Rows, int, int] | None = None  # a decode step's rows, their start, the past
+
+    get_mask_sizes = LocalLayer.get_mask_sizes
+
+    def get_max_length(self) -> int:
+        return self.window
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._window_step = None
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _start(self, past: int) -> int:
+        """The first position of the window a step with `past` positions before it attends."""
+        return max(past - (self.window - 1), 0)
+
+    def _every_row_step(self, past: int, issued_at: int) -> Transfer:
+        start = self._start(past)
+        out = self._room(past - start)
+        return Transfer.chunk(
+            self.tier, start, past, self.device, self._rows_dtype, out, issued_at, (past - start) / max(past, 1)
+        )
+
+    def _prefill_read(self, past: int) -> Transfer:
+        return Transfer.chunk(self.tier, self._start(past), past, self.device, self.dtype, None, self.index)
+
+    def _decode_rows(self, fetched: Fetched, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        self._window_step = (fetched.rows, self._start(past), past)
+        self._new = (key_states, value_states)
+        return key_states, value_states
+
+    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        step, self._window_step = self._window_step, None
+        if step is None:  # a prefill: the model's own attention under its sliding mask
+            return super().attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        rows, start, past = step
+        valid = self._valid(past)[:, :, start:past]
+        new, self._new = self._new, None
+        return attend_stored(query, rows, valid, new, attention_scaling(query, scaling))[0], None

@@ -1,4 +1,4 @@
-"""What a cache does with one layer's KV: the four roles the config assigns (`layer_role`) and the
+"""What a cache does with one layer's KV: the five roles the config assigns (`layer_role`) and the
 cache, the forced evaluator and `summary()` act on.
 
 A `StrEnum`, so a role still equals (and prints, and serializes as) its name: ``Role.SELECT ==
@@ -19,8 +19,14 @@ class Role(StrEnum):
     FETCH_ALL = "fetch_all"
     SELECT = "select"
     LOCAL = "local"
+    WINDOW = "window"
 
     @property
     def offloaded(self) -> bool:
         """Whether the layer's KV lives in the slow tier."""
-        return self in (Role.FETCH_ALL, Role.SELECT)
+        return self in (Role.FETCH_ALL, Role.SELECT, Role.WINDOW)
+
+    @property
+    def sliding(self) -> bool:
+        """Whether the layer attends a sliding window (kept or read back)."""
+        return self in (Role.LOCAL, Role.WINDOW)

@@ -80,12 +80,15 @@ class Transfer:
         return cls(done_future(Planned, rows), issued_at)
 
     @classmethod
-    def chunk(cls, tier: KVTier, start: int, stop: int, device, dtype, out: Rows, issued_at: int) -> Transfer:
-        """A read of positions [start, stop) of every row into `out`, started now (a chunk of a
-        layer read in chunks: what its step reads is every row, fraction 1), through the tier's
-        sequential read."""
+    def chunk(
+        cls, tier: KVTier, start: int, stop: int, device, dtype, out: Rows | None, issued_at: int, fraction: float = 1.0
+    ) -> Transfer:
+        """A read of positions [start, stop) of every row into `out` (None: new tensors), started
+        now, through the tier's sequential read: a chunk of a layer read in chunks (its step
+        reads every row, fraction 1), or a sliding window (`fraction`: the window's share of
+        the past)."""
         rows = tier.read_range_async(start, stop, device, dtype, out=out)
-        return cls(done_future(Planned, rows), issued_at)
+        return cls(done_future(Planned, rows, None, fraction), issued_at)
 
     def settle(self) -> None:
         """Wait, uncounted, until nothing of this transfer still reads the tier: before the tier
@@ -112,10 +115,12 @@ class RowBuffers:
     stale rows, which attention masks out. A model split across devices gets its pairs per
     device: a layer's buffers live where it computes."""
 
-    def __init__(self, reserve: int = 0, chunk: int = 0, reserve_whole: int = 0) -> None:
-        """reserve, reserve_whole: rows to make room for at the first use of each kind (the most a
-        step of the planned generation reads, `budget.transfer_rows`), so that the buffers never
-        grow. chunk: the positions a layer read in chunks reads at a time (`fetch_chunk`): such a
+    def __init__(
+        self, reserve: tuple[int, int] = (0, 0), chunk: int = 0, reserve_whole: tuple[int, int] = (0, 0)
+    ) -> None:
+        """reserve, reserve_whole: rows to make room for at the first use of each kind, by the
+        parity of the layer (the most a step of the planned generation reads there,
+        `budget.transfer_rows`), so that the buffers never grow. chunk: the positions a layer read in chunks reads at a time (`fetch_chunk`): such a
         layer attends one chunk from its parity's pair while the next lands in a second pair of
         that parity (`second=True`), which holds one chunk."""
         self._pairs: dict[tuple[int, bool, bool, str], Rows] = {}
@@ -133,7 +138,7 @@ class RowBuffers:
         have = 0 if pair is None else pair[0].shape[2]
         same_kind = pair is not None and pair[0].dtype == dtype and pair[0].shape[:2] == (like.batch, like.kv_heads)
         if not same_kind or rows > have:
-            reserve = self.reserve_whole if whole else self.reserve
+            reserve = (self.reserve_whole if whole else self.reserve)[layer % 2]
             size = max(rows, self.chunk) if second else max(rows, 2 * have if same_kind else reserve)
             shape = (like.batch, like.kv_heads, size, like.head_dim)
             k = torch.zeros(shape, dtype=dtype, device=device)

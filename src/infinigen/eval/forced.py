@@ -162,7 +162,7 @@ class ForcedLayer(SessionLayer):
 
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         stored = self.config.storage_dtype()
-        if self.role in (Role.COMPUTE, Role.LOCAL) and (stored is None or stored == key.dtype):
+        if self.role in (Role.COMPUTE, Role.LOCAL, Role.WINDOW) and (stored is None or stored == key.dtype):
             return dense_attention(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
@@ -191,7 +191,7 @@ class ForcedLayer(SessionLayer):
         causal = cols[None, :] <= self_col[:, None]  # [S, K]
         if self.window is not None:  # a sliding layer: the last `window` positions, itself included
             causal &= cols[None, :] > self_col[:, None] - self.window
-        if self.role in (Role.COMPUTE, Role.LOCAL):  # kept with the compute in the storage dtype: nothing moves
+        if self.role in (Role.COMPUTE, Role.LOCAL, Role.WINDOW):  # a window read back is exact; counted in `attend`
             allowed = causal[None, None].expand(b, h, s_len, k_len)
         elif self.role == Role.FETCH_ALL:
             allowed = causal[None, None].expand(b, h, s_len, k_len)
@@ -270,14 +270,27 @@ class ForcedLocalLayer(ForcedLayer):
 
     is_sliding = True
 
-    def __init__(self, index: int, prefix: Prefix, config: InfiniGenConfig, record: _Record, window: int) -> None:
-        super().__init__(index, Role.LOCAL, prefix, config, None, record)
-        self.window = window
+    def __init__(
+        self, index: int, prefix: Prefix, config: InfiniGenConfig, record: _Record, window: int, role: Role
+    ) -> None:
+        """role: ``local`` (the window kept with the compute) or ``window`` (read back from the
+        tier each step: the same rows, counted as read)."""
+        super().__init__(index, role, prefix, config, None, record)
+        self.window, self.prefix_length = window, prefix.length
         keep = min(prefix.length, window - 1)
         start = self.prefix_keys.shape[2] - keep
         self.prefix_keys, self.prefix_values = self.prefix_keys[:, :, start:], self.prefix_values[:, :, start:]
 
     get_mask_sizes = LocalLayer.get_mask_sizes
+
+    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if self.role == Role.WINDOW:  # the rows `WindowLayer` reads: each step its last window - 1 positions
+            b, hkv, d = query.shape[0], key.shape[1], key.shape[-1]
+            steps = range(query.shape[2])
+            n_rows = b * hkv * sum(min(self.window - 1, self.prefix_length + s) for s in steps)
+            self.record.rows += n_rows
+            self.record.bytes += n_rows * row_bytes("native", d, self.config.storage_dtype() or key.dtype)
+        return super().attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
     def get_max_length(self) -> int:
         return self.window
@@ -341,13 +354,16 @@ class ForcedRunner:
             chunk = chunk[None]
         session = self.session
         adapter = session.adapter
-        selector = session.selector_for(config)
+        # the plan a cache for this batch and these positions takes (the default aim may read the
+        # sliding windows back, say): the same layers, bytes and selector as decoding
+        planned = session.plan_for(config, chunk.shape[0], prefix.length + chunk.shape[1])
+        config, selector = planned.config, planned.selector
         record = _Record(measure_recall=measure_recall and selector is not None)
         layers = []
         for i in range(adapter.num_layers):
             role = config.layer_role(i, local=adapter.is_local(i))
-            if role == Role.LOCAL:  # its window of the prefix, then the chunk
-                layers.append(ForcedLocalLayer(i, prefix, config, record, adapter.window(i)))
+            if role.sliding:  # its window of the prefix, then the chunk
+                layers.append(ForcedLocalLayer(i, prefix, config, record, adapter.window(i), role))
                 continue
             selecting = _prefilled(selector, i, prefix, self) if role == Role.SELECT else None
             layers.append(ForcedLayer(i, role, prefix, config, selecting, record))
