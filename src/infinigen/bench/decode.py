@@ -470,7 +470,8 @@ def run_parent(args: argparse.Namespace) -> int:
     elif base.aims:
         memory = (
             f"every offloading policy aiming at {AUTO_SHARE} of dense's KV with the compute (compute_memory auto: "
-            "full fetch and the dense layers read in chunks where that needs it; --compute-memory none for none)"
+            "full fetch and the dense layers read in chunks, the sliding windows read back from the tier, where "
+            "that needs it; --compute-memory none for none)"
         )
     else:
         memory = f"every offloading policy within compute_memory {base.compute_memory}"
@@ -482,7 +483,7 @@ def run_parent(args: argparse.Namespace) -> int:
         "faster of dense (preallocated) and dense-hf (DynamicCache). Per token: 'tier MiB' read from the slow "
         "tier's medium (the disk; host RAM for the ram tier), read amplification included; 'cache MiB' served "
         "from RAM in front of the disk (unwritten tail blocks, block cache); 'reads' disk read requests. 'spec ms': selection time per step, on the prefetch thread; "
-        "'wait %': share of the step the compute waited on transfers; 'local KV': what the sliding-window layers keep with the compute (never offloaded, not in the tier columns); 'selector': what the selection keeps with the compute (InfiniGen's partial keys in their `partial_format`, room to grow included; Quest's page bounds; H2O's scores). Measured on this machine, not modelled."
+        "'wait %': share of the step the compute waited on transfers; 'local KV': what the sliding-window layers keep with the compute (0 where their windows are read back from the tier, each step's window then in the tier columns); 'selector': what the selection keeps with the compute (InfiniGen's partial keys in their `partial_format`, room to grow included; Quest's page bounds; H2O's scores). Measured on this machine, not modelled."
     )
     print(table)
     print(note)
