@@ -606,6 +606,29 @@ def test_a_range_reads_the_blocks_it_covers_once_per_region(kv_dir):
             disk.read_range_async(6, 5, torch.device("cpu"), torch.float32)
 
 
+def test_a_range_longer_than_a_round_is_read_in_pieces_of_at_most_a_round(kv_dir):
+    """A sliding window, or a whole layer at a long context, spans more blocks per region than a
+    round of reads holds: it is read in pieces of at most `read_chunk` bytes, the same rows as the
+    RAM tier, its read buffer about a round's size, each block read once."""
+    gen = torch.Generator().manual_seed(9)
+    ram, disk = _pair(kv_dir, b=2, h=1, read_chunk=3 * 4096)
+    with disk:
+        _append_both(ram, disk, PREFILL, gen)
+        per_block = disk.block_size // disk.record_bytes
+        start, stop = 5, PREFILL // per_block * per_block  # whole blocks on disk, a partial first one
+        for out in (None, (torch.zeros(2, 1, CAPACITY, D), torch.zeros(2, 1, CAPACITY, D))):
+            disk.stats.reset()
+            kd, vd = disk.read_range_async(start, stop, torch.device("cpu"), torch.float32, out=out).result()
+            kr, vr = ram.read_range_async(start, stop, torch.device("cpu"), torch.float32).result()
+            assert torch.equal(kr, kd) and torch.equal(vr, vd)
+            blocks = stop // per_block - start // per_block
+            assert disk.stats.bytes == 2 * blocks * disk.block_size  # pieces end at block boundaries
+            pieces = stop // (2 * per_block) - start // (2 * per_block)  # two blocks each, the first partial
+            assert pieces > 2 and disk.stats.reads == 2 * pieces
+        # the buffer's floor (64 KiB), where the span of both regions at once would take 144 KiB
+        assert len(disk.threads.read_buffer(0)) <= max(2 * 3 * 4096, 1 << 16) < 2 * blocks * disk.block_size
+
+
 def test_reading_every_row_goes_a_few_regions_at_a_time(kv_dir, monkeypatch):
     """Full fetch's read of a layer: the same rows as the RAM tier through a buffer of about
     READ_CHUNK bytes, into new tensors and into given buffers."""

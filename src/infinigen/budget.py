@@ -36,7 +36,7 @@ from infinigen.memory import PARTS, dense_kv_bytes, format_bytes
 from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
 from infinigen.storage import rows_dtype
-from infinigen.storage.disk import STAGE_KEEP, block_size, default_directory, record_bytes
+from infinigen.storage.disk import STAGE_KEEP, block_size, default_directory, range_piece, record_bytes
 
 # The fewest positions per read when a plan chunks every-row reads (128 KiB a region at d = 64).
 PLANNED_FETCH_CHUNK = 512
@@ -161,8 +161,9 @@ def _disk_parts(
     # reads go a few regions (or a run of one region's rows) at a time through one buffer of about read_chunk
     layer = regions * min(region_blocks, rows) * blk
     read = min(layer, config.read_chunk_bytes)
-    if span:  # a range read (every row, a chunk of them, a window) takes one region's span at least
-        read = max(read, (-(-span * record // blk) + 1) * blk)
+    if span:  # a range read (every row, a chunk of them, a window) takes a region's span, in pieces
+        piece = min(span, range_piece(config.read_chunk_bytes, blk, record))
+        read = max(read, (-(-piece * record // blk) + 1) * blk)
     parts["tier_buffers"] += max(2 * read, 1 << 16)  # grown by doubling
     chunk = regions * -(-min(request.positions, PREFILL_CHUNK) * record // blk) * blk
     parts["tier_buffers"] += chunk if chunk <= STAGE_KEEP else 0  # a prefill chunk's staging, kept if small

@@ -274,8 +274,9 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     io_threads: int = knob(4, "disk reads in flight", at_least(1))
     read_chunk: str = knob(
         "8MiB",
-        "disk tier: the most bytes one round of a gather reads at once; its read buffer holds up to about "
-        "twice this (smaller keeps less with the compute; larger keeps more reads in flight)",
+        "disk tier: the most bytes one round of a gather, or one piece of a range read (a layer's rows, a "
+        "window), reads at once; its read buffer holds up to about twice this (smaller keeps less with the "
+        "compute; larger keeps more reads in flight)",
         size(),
         advanced=True,
     )

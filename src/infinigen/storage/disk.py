@@ -181,6 +181,12 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def range_piece(read_chunk: int, block: int, record: int) -> int:
+    """The most positions one piece of a range read takes (`DiskTier._read_span`): whole blocks
+    of at most `read_chunk` bytes per region wherever the piece starts (two blocks at least)."""
+    return max((read_chunk // block - 1) * block // record, 1)
+
+
 def record_bytes(row_bytes: int, block: int) -> int:
     """A position's record on disk: its K and V row padded to a power of two that divides the
     block, or to whole blocks, so that no record straddles a block boundary."""
@@ -849,20 +855,19 @@ class DiskTier(KVTier):
 
     def _read_span(
         self, start: int, stop: int, out=None, device=None, dtype=None
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """Positions [start, stop) of every region as [B, Hkv, stop - start, d] (into `out`, or
-        new tensors of the stored dtype on the CPU) and the bytes read from disk: one sequential
-        read per region for the whole blocks the span covers; the tail block comes from RAM."""
+        new tensors of the stored dtype on the CPU), the bytes read from disk and the read
+        requests: one sequential read per region for the whole blocks the span covers, in pieces
+        of at most about `read_chunk` bytes (so the read buffer stays about that size whatever
+        the span: a whole layer at a long context, a sliding window); the tail block comes from RAM."""
         self._check_open()
         if not 0 <= start <= stop <= self.length:
             raise IndexError(f"asked for positions [{start}, {stop}) but the tier holds {self.length}")
-        d, rec, blk, n = self.head_dim, self.record_bytes, self.block_size, stop - start
+        d, n = self.head_dim, stop - start
         if n == 0:
             empty = torch.empty(self.batch, self.kv_heads, 0, d, dtype=self.dtype)
-            return (*copy_prefix(empty, empty, device or "cpu", dtype or self.dtype, out), 0)
-        lo, hi = start * rec // blk * blk, _round_up(stop * rec, blk)  # the blocks the span touches
-        span, tail = hi - lo, self._tail_start()
-        on_disk = max(min(hi, tail) - lo, 0)  # whole blocks on disk; the rest is the RAM tail
+            return (*copy_prefix(empty, empty, device or "cpu", dtype or self.dtype, out), 0, 0)
         if out is not None:
             k, v = prefix_views(out, n)
         else:
@@ -870,6 +875,22 @@ class DiskTier(KVTier):
             k = torch.empty(shape, dtype=dtype or self.dtype, device=device or "cpu")
             v = torch.empty_like(k)
         flat_k, flat_v = k.view(self.regions, n, d), v.view(self.regions, n, d)  # views: written through
+        piece = range_piece(self.read_chunk, self.block_size, self.record_bytes)
+        nbytes = reads = 0
+        # pieces end at multiples of `piece` (whole blocks), so no two read the same block
+        edges = [start, *range((start // piece + 1) * piece, stop, piece), stop]
+        for lo, hi in zip(edges, edges[1:]):
+            got = self._read_piece(lo, hi, flat_k[:, lo - start : hi - start], flat_v[:, lo - start : hi - start])
+            nbytes, reads = nbytes + got, reads + (self.regions if got else 0)
+        return k, v, nbytes, reads
+
+    def _read_piece(self, start: int, stop: int, flat_k: torch.Tensor, flat_v: torch.Tensor) -> int:
+        """Positions [start, stop) of every region into flat_k, flat_v [regions, n, d]; the bytes
+        read from disk."""
+        d, rec, blk, n = self.head_dim, self.record_bytes, self.block_size, stop - start
+        lo, hi = start * rec // blk * blk, _round_up(stop * rec, blk)  # the blocks the span touches
+        span, tail = hi - lo, self._tail_start()
+        on_disk = max(min(hi, tail) - lo, 0)  # whole blocks on disk; the rest is the RAM tail
         width = 2 * d * torch.empty((), dtype=self.dtype).element_size()
         first = start * rec - lo  # the span's first record within the blocks read
         group = max(self.read_chunk // span, 1)  # regions per read: the buffer stays about `read_chunk`
@@ -890,14 +911,13 @@ class DiskTier(KVTier):
             recs = raw[:, first : first + n * rec].reshape(r1 - r0, n, rec)[..., :width].view(self.dtype)
             flat_k[r0:r1].copy_(recs[..., :d])
             flat_v[r0:r1].copy_(recs[..., d:])
-        return k, v, on_disk * self.regions
+        return on_disk * self.regions
 
     def _read_range(self, start, stop, device, dtype, out=None):
         t0 = time.perf_counter()
-        k, v, nbytes = self._read_span(start, stop, out, device, dtype)
+        k, v, nbytes, reads = self._read_span(start, stop, out, device, dtype)
         tail_pos = self._tail_start() // self.record_bytes
         tail_rows = max(stop - max(start, tail_pos), 0)
-        reads = self.regions if nbytes else 0
         rows = stop - start
         self._count(
             nbytes, self.regions * (rows - tail_rows), self.regions * tail_rows, time.perf_counter() - t0, reads
@@ -913,7 +933,7 @@ class DiskTier(KVTier):
 
     def peek_all(self):
         self.flush()
-        k, v, _ = self.threads.control.submit(self._read_span, 0, self.length).result()  # where the buffer is used
+        k, v, _, _ = self.threads.control.submit(self._read_span, 0, self.length).result()  # where the buffer is used
         return k, v
 
     # ------------------------------------------------------------------ reporting / lifetime
