@@ -299,8 +299,7 @@ class Session:
     def plan_for(self, config: InfiniGenConfig, batch: int, positions: int) -> Plan:
         """What a cache of `config` for `batch` rows reaching `positions` will keep with the
         compute (`budget.plan`): the config fitted into its `compute_memory`, with its selector.
-        Refuses (`MemoryBudgetError`) a request that cannot fit. The forced evaluator takes the
-        same plan, so that it runs the layers decoding would."""
+        Refuses (`MemoryBudgetError`) a request that cannot fit."""
         dtype = next(self.model.parameters()).dtype
         return plan(config, self.adapter, self.selector_for, Request(batch, positions), dtype)
 

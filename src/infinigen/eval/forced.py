@@ -354,10 +354,9 @@ class ForcedRunner:
             chunk = chunk[None]
         session = self.session
         adapter = session.adapter
-        # the plan a cache for this batch and these positions takes (the default aim may read the
-        # sliding windows back, say): the same layers, bytes and selector as decoding
-        planned = session.plan_for(config, chunk.shape[0], prefix.length + chunk.shape[1])
-        config, selector = planned.config, planned.selector
+        # `config` as given: the memory plan a cache would make (`compute_memory`) is not applied.
+        # The default aim's changes are lossless (the same logits); bytes are the config's own.
+        selector = session.selector_for(config)
         record = _Record(measure_recall=measure_recall and selector is not None)
         layers = []
         for i in range(adapter.num_layers):
