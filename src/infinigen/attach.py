@@ -32,7 +32,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from infinigen.attention import ATTN_NAME, register_attention
-from infinigen.budget import Plan, Request, plan
+from infinigen.budget import Request, plan
 from infinigen.cache import ContextTooLongError, InfiniGenCache, SessionCache
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InfiniGenError
@@ -286,7 +286,10 @@ class Session:
         model's context and 1); trace: keep a record of every transfer (`cache.trace`)."""
         if not self.attached:
             raise RuntimeError("this session is detached: attach the model again to make a cache")
-        planned = self.plan_for(config or self.config, batch or 1, max_length or self.adapter.max_positions)
+        config = config or self.config
+        request = Request(batch or 1, max_length or self.adapter.max_positions)
+        dtype = next(self.model.parameters()).dtype
+        planned = plan(config, self.adapter, self.selector_for, request, dtype)  # refuses what cannot fit
         config = planned.config
         observer = self._observer_for(config) if self._observer_for is not None else None
         cache = InfiniGenCache(
@@ -295,13 +298,6 @@ class Session:
         )  # fmt: skip
         self._caches.add(cache)
         return cache
-
-    def plan_for(self, config: InfiniGenConfig, batch: int, positions: int) -> Plan:
-        """What a cache of `config` for `batch` rows reaching `positions` will keep with the
-        compute (`budget.plan`): the config fitted into its `compute_memory`, with its selector.
-        Refuses (`MemoryBudgetError`) a request that cannot fit."""
-        dtype = next(self.model.parameters()).dtype
-        return plan(config, self.adapter, self.selector_for, Request(batch, positions), dtype)
 
     def selector_for(self, config: InfiniGenConfig) -> Selector | None:
         """The selector of `config` in this session (None for a policy that reads every row)."""

@@ -12,8 +12,8 @@ lossless changes first: the disk tier's block cache shrinks, then its rounds of 
 read it in chunks (`fetch_chunk`: the largest chunk the budget leaves, at least
 `PLANNED_FETCH_CHUNK`), the dense layers read from the tier instead of kept (speed only); then
 the sliding-window layers' windows read back from the tier each step (`windows_on_compute`;
-speed only); then InfiniGen's partial keys go to a lower precision (int8, then int4: `partial_format`). A request
-that does not fit even then is refused in one sentence (`MemoryBudgetError`), before any KV is
+speed only); then InfiniGen's partial keys go to a lower precision (int8, then int4:
+`partial_format`). A request that does not fit even then is refused in one sentence (`MemoryBudgetError`), before any KV is
 computed.
 
 The default, `compute_memory="auto"`, is an aim rather than a limit: an offloading policy is

@@ -655,7 +655,7 @@ class WindowLayer(OffloadedLayer):
         if window < 1:
             raise ValueError(f"a sliding layer needs a window of at least 1 position, got {window}")
         self.window = window
-        self._window_step: tuple[Rows, int, int] | None = None  # a decode step's rows, their start, the past
+        self._window_step: tuple[Rows, int] | None = None  # a decode step's rows and the past before it
 
     get_mask_sizes = LocalLayer.get_mask_sizes
 
@@ -681,7 +681,7 @@ class WindowLayer(OffloadedLayer):
         return Transfer.chunk(self.tier, self._start(past), past, self.device, self.dtype, None, self.index)
 
     def _decode_rows(self, fetched: Fetched, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        self._window_step = (fetched.rows, self._start(past), past)
+        self._window_step = (fetched.rows, past)
         self._new = (key_states, value_states)
         return key_states, value_states
 
@@ -689,7 +689,7 @@ class WindowLayer(OffloadedLayer):
         step, self._window_step = self._window_step, None
         if step is None:  # a prefill: the model's own attention under its sliding mask
             return super().attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        rows, start, past = step
-        valid = self._valid(past)[:, :, start:past]
+        rows, past = step
+        valid = self._valid(past)[:, :, self._start(past) : past]
         new, self._new = self._new, None
         return attend_stored(query, rows, valid, new, attention_scaling(query, scaling))[0], None

@@ -120,9 +120,10 @@ class RowBuffers:
     ) -> None:
         """reserve, reserve_whole: rows to make room for at the first use of each kind, by the
         parity of the layer (the most a step of the planned generation reads there,
-        `budget.transfer_rows`), so that the buffers never grow. chunk: the positions a layer read in chunks reads at a time (`fetch_chunk`): such a
-        layer attends one chunk from its parity's pair while the next lands in a second pair of
-        that parity (`second=True`), which holds one chunk."""
+        `budget.transfer_rows`), so that the buffers never grow. chunk: the positions a layer
+        read in chunks reads at a time (`fetch_chunk`): such a layer attends one chunk from its
+        parity's pair while the next lands in a second pair of that parity (`second=True`), which
+        holds one chunk."""
         self._pairs: dict[tuple[int, bool, bool, str], Rows] = {}
         self.reserve, self.chunk, self.reserve_whole = reserve, chunk, reserve_whole
 
