@@ -80,6 +80,34 @@ def test_stored_rows_in_every_layout_equal_one_softmax(path, layout, monkeypatch
     torch.testing.assert_close(probs.double(), want_probs, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("path", ["c", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("cuts", [(), (1,), (9, 30), (5, 6, 7)])  # whole, a one-row part, ragged, many
+def test_rows_attended_in_parts_and_merged_equal_one_softmax(path, dtype, cuts, monkeypatch):
+    """A layer read in chunks attends each as it lands (`attend_part`) and merges it into the
+    softmax carried from its own position (`own_part`, `merge`): the same output as one fp64
+    softmax over every row, with masked rows and a part where a row has nothing valid."""
+    _use(path, monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    b, h, hkv, n, d = 2, 6, 2, 37, 16
+    query = torch.randn(b, h, 1, d, generator=g)
+    room = torch.randn(2, b, hkv, n + 5, d, generator=g).to(dtype)
+    rows = (room[0][:, :, :n], room[1][:, :, :n])
+    valid = torch.rand(b, hkv, n, generator=g) > 0.3
+    valid[1, 0] = False  # one (batch, KV head) with no row to attend but its own position
+    new = (torch.randn(b, hkv, 1, d, generator=g), torch.randn(b, hkv, 1, d, generator=g))
+    q = query.reshape(b, hkv, h // hkv, d) * 0.25
+    carried = attention.own_part(q, *new)
+    for start, stop in zip((0, *cuts), (*cuts, n)):
+        part = attention.attend_part(q, (rows[0][:, :, start:stop], rows[1][:, :, start:stop]), valid[..., start:stop])
+        empty = ~valid[..., start:stop].any(-1)  # [B, Hkv]: nothing to attend in this part
+        assert part.lse[empty].eq(-math.inf).all() and part.out[empty].eq(0).all()
+        assert torch.isfinite(part.lse[~empty]).all()
+        carried = attention.merge(carried, part)
+    want, _ = _reference(query, rows, valid, new, 0.25)
+    torch.testing.assert_close(carried.out.reshape(b, 1, h, d).double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_slices_are_bounded_and_fp32_rows_are_not_copied():
     rows16 = torch.zeros(8, 3, 1000, 64, dtype=torch.float16)
     step = widen_rows(rows16)

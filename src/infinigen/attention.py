@@ -8,6 +8,7 @@ how to attend. Without one (a plain cache inside a session) this is ordinary sdp
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -104,6 +105,48 @@ def attend_stored(
         out += torch.matmul(probs[..., start:stop], v_rows[:, :, start:stop].to(torch.float32))
     out = out.to(query.dtype).reshape(b, 1, h, d)
     return out, probs.reshape(b, h, 1, n + 1) if weights else None
+
+
+class Part(NamedTuple):
+    """Attention of one decode position over some of its rows, normalized among them, and the
+    log of that normalizer (the log-sum-exp of their scores): two parts `merge` into attention
+    over the rows of both, so a layer can attend its rows in pieces as they arrive."""
+
+    out: torch.Tensor  # [B, Hkv, G, d] float32
+    lse: torch.Tensor  # [B, Hkv, G, 1] float32; -inf where the part attended nothing
+
+
+def own_part(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Part:
+    """The step's own position as a part: q [B, Hkv, G, d] float32, already scaled; key, value
+    [B, Hkv, 1, d] as computed. It is always attended, so a merge that starts from it is finite."""
+    b, hkv, g, d = q.shape
+    lse = torch.matmul(q, key.to(torch.float32).transpose(-1, -2))  # [B, Hkv, G, 1]
+    return Part(value.to(torch.float32).expand(b, hkv, g, d), lse)
+
+
+def attend_part(q: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], valid: torch.Tensor | None) -> Part:
+    """Attention of q [B, Hkv, G, d] (float32, already scaled) over stored rows (k, v)
+    [B, Hkv, n, d] alone; valid [B, Hkv, n] or None (every row). The rows are widened in the C
+    kernel's registers (`kernels.attend_part`), else by tensor operations."""
+    if kernels.can_attend(rows):
+        return Part(*kernels.attend_part(q, rows, valid))
+    scores = torch.matmul(q, rows[0].to(torch.float32).transpose(-1, -2))  # [B, Hkv, G, n]
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, :, None, :], -math.inf)
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(top == -math.inf, torch.zeros_like(top), top)  # nothing valid: an empty part
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights, rows[1].to(torch.float32)) / total.clamp_min(torch.finfo(torch.float32).tiny)
+    return Part(out, top + torch.log(total))
+
+
+def merge(a: Part, b: Part) -> Part:
+    """Attention over the rows of both parts (at least one of them attended something)."""
+    top = torch.maximum(a.lse, b.lse)
+    wa, wb = torch.exp(a.lse - top), torch.exp(b.lse - top)
+    total = wa + wb
+    return Part((a.out * wa + b.out * wb) / total, top + torch.log(total))
 
 
 def key_validity(attention_mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

@@ -18,7 +18,6 @@ All answer the session's hooks: `own_input` (this layer's normalized attention i
 from __future__ import annotations
 
 import functools
-import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -27,7 +26,15 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from infinigen.attention import attend_stored, attention_scaling, dense_attention, key_validity
+from infinigen.attention import (
+    attend_part,
+    attend_stored,
+    attention_scaling,
+    dense_attention,
+    key_validity,
+    merge,
+    own_part,
+)
 from infinigen.layer_selector import LayerSelector, with_top_up
 from infinigen.roles import Role
 from infinigen.select import Selector
@@ -539,9 +546,10 @@ class OffloadedLayer(SessionLayer):
 
     def _attend_chunks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         """Every row, read and attended a chunk at a time: while one chunk is attended the next
-        lands in the other buffer. The softmax is carried across chunks (running maximum, sum and
-        output, rescaled as the maximum grows), so the result is attention over every row and the
-        new token, in fp32, with two chunks held instead of the whole layer.
+        lands in the other buffer. Each chunk is attended as stored (`attend_part`) and
+        merged into the softmax carried from the new token on (`merge`), so the result
+        is attention over every row and the new token, in fp32, with two chunks held instead of
+        the whole layer.
 
         query [B, H, 1, d]; key, value [B, Hkv, 1, d]: the new token. Output [B, 1, H, d]."""
         fetched, past = self._first_chunk
@@ -551,10 +559,7 @@ class OffloadedLayer(SessionLayer):
         q = query.reshape(b, hkv, h // hkv, d).to(torch.float32) * scaling
         present = self._valid(past)
         masked = not is_all_valid(present)
-        # the new token first: it is always attended, so the running maximum is finite from the start
-        top = torch.matmul(q, key.to(torch.float32).transpose(-1, -2))  # [B, Hkv, G, 1]
-        total = torch.ones_like(top)
-        out = value.to(torch.float32).expand(b, hkv, h // hkv, d).clone()
+        carried = own_part(q, key, value)  # always attended: the carried softmax is finite
         rows, start, second = fetched.rows, 0, False
         while start < past:
             stop = min(start + self.shared.fetch_chunk, past)
@@ -564,21 +569,14 @@ class OffloadedLayer(SessionLayer):
                 after = min(stop + self.shared.fetch_chunk, past)
                 out_rows = self._room(after - stop, second)
                 later = Transfer.chunk(self.tier, stop, after, self.device, self._rows_dtype, out_rows, self.index)
-            scores = torch.matmul(q, rows[0].to(torch.float32).transpose(-1, -2))  # [B, Hkv, G, c]
-            if masked:
-                scores = scores.masked_fill(~present[:, :, None, start:stop], -math.inf)
-            peak = torch.maximum(top, scores.amax(-1, keepdim=True))
-            shrink = torch.exp(top - peak)
-            weights = torch.exp(scores - peak)
-            total = total * shrink + weights.sum(-1, keepdim=True)
-            out = out * shrink + torch.matmul(weights, rows[1].to(torch.float32))
-            top = peak
+            valid = present[:, :, start:stop] if masked else None
+            carried = merge(carried, attend_part(q, rows, valid))
             if later is not None:
                 fetched = later.wait()
                 self.record.waited(fetched.waited)
                 rows = fetched.rows
             start = stop
-        return (out / total).to(query.dtype).reshape(b, 1, h, d)
+        return carried.out.to(query.dtype).reshape(b, 1, h, d)
 
     def _top_up(self, query, key, value):
         """Speculate, then correct: the selector may add positions chosen with this layer's own

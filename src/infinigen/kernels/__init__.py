@@ -103,7 +103,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ig_attend_scratch.restype = i64
     lib.ig_attend_scratch.argtypes = [i64]
     lib.ig_attend.restype = None
-    lib.ig_attend.argtypes = [p, p, cint, i64, i64, i64, i64, i64, i64, i64, i64, p, p, p, p, p, i64, p, p]
+    lib.ig_attend.argtypes = [p, p, cint, i64, i64, i64, i64, i64, i64, i64, i64, p, p, p, p, p, i64, p, p, p]
     lib.ig_widen.restype = None
     lib.ig_widen.argtypes = [p, cint, i64, p]
     u64 = ctypes.c_uint64
@@ -205,6 +205,24 @@ def attend(
     [B, Hkv, n, d] that `can_attend` accepts; valid [B, Hkv, n] bool or None (every row);
     new (k, v) [B, Hkv, 1, d]. Returns the output [B, Hkv, G, d] float32 and, when `weights`,
     the weights [B, Hkv, G, n + 1] (the new position last)."""
+    out, probs, _ = _attend(query, rows, valid, new, weights, False)
+    return out, probs
+
+
+def attend_part(
+    query: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The math of `attention.attend_part` in one call: attention over the rows alone (no new
+    position), normalized among them, and the log of its normalizer [B, Hkv, G, 1] (-inf, with
+    a zero output, where no row is valid). Arguments as `attend`'s."""
+    out, _, norm = _attend(query, rows, valid, None, False, True)
+    top, total = norm.unbind(-1)
+    return out, (top + torch.log(total)).unsqueeze(-1)
+
+
+def _attend(query, rows, valid, new, weights: bool, normalizer: bool):
+    """One call of `ig_attend` (see attend.c): (output, weights or None, [B, Hkv, G, 2] maximum
+    score and sum of exponentials about it, or None)."""
     lib = library()
     if lib is None or not can_attend(rows):
         raise ValueError("attend needs the compiled kernels and rows that can_attend accepts")
@@ -214,17 +232,19 @@ def attend(
     if tuple(query.shape) != (b, hkv, g, d) or query.dtype != torch.float32:
         raise ValueError(f"query must be float32 [{b}, {hkv}, G, {d}], got {query.dtype} {list(query.shape)}")
     q = query.contiguous()
-    knew, vnew = (x.reshape(b, hkv, d).to(torch.float32).contiguous() for x in new)
+    knew, vnew = (None, None) if new is None else (x.reshape(b, hkv, d).to(torch.float32).contiguous() for x in new)
     vmask = None if valid is None else valid.reshape(b, hkv, n).to(torch.uint8).contiguous()
     probs = torch.empty((b * hkv if weights else 1) * g * (n + 1), dtype=torch.float32)
     tile = torch.empty(lib.ig_attend_scratch(d), dtype=torch.float32)
     out = torch.empty(b, hkv, g, d, dtype=torch.float32)
+    norm = torch.empty(b, hkv, g, 2, dtype=torch.float32) if normalizer else None
     lib.ig_attend(
         k.data_ptr(), v.data_ptr(), KEY_FORMATS[k.dtype], b, hkv, k.stride(0), k.stride(1), k.stride(2), g, n, d,
-        q.data_ptr(), None if vmask is None else vmask.data_ptr(), knew.data_ptr(), vnew.data_ptr(),
-        probs.data_ptr(), g * (n + 1) if weights else 0, tile.data_ptr(), out.data_ptr(),
+        q.data_ptr(), None if vmask is None else vmask.data_ptr(), None if knew is None else knew.data_ptr(),
+        None if vnew is None else vnew.data_ptr(), probs.data_ptr(), g * (n + 1) if weights else 0, tile.data_ptr(),
+        out.data_ptr(), None if norm is None else norm.data_ptr(),
     )  # fmt: skip
-    return out, probs.reshape(b, hkv, g, n + 1) if weights else None
+    return out, probs.reshape(b, hkv, g, n + 1) if weights else None, norm
 
 
 def select(

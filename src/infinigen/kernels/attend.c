@@ -5,9 +5,12 @@
  *
  * Rows r = (b, h) of B x H: keys and values at k + b*sb + h*sh + t*sn (elements; the d channels
  * of a position contiguous), t < n. q: [R][G][d] already multiplied by the attention scaling;
- * valid: [R][n] bytes or NULL (every row present); knew, vnew: [R][d]. probs: [G][n + 1] per row,
- * at probs + r * probs_stride (stride 0: one scratch for every row; else the weights, the new
- * position last); tile: ig_attend_scratch(d) floats of scratch; out: [R][G][d].
+ * valid: [R][n] bytes or NULL (every row present); knew, vnew: [R][d], or both NULL for no new
+ * position (a part of a softmax carried over several calls). probs: [G][n + 1] per row, at
+ * probs + r * probs_stride (stride 0: one scratch for every row; else the weights, the new
+ * position last); tile: ig_attend_scratch(d) floats of scratch; out: [R][G][d]; norm: NULL, or
+ * [R][G][2] that receives each softmax's maximum score and its sum of exponentials about it (the
+ * normalizer, which merges parts; -inf and 0, with a zero output, where nothing was attended).
  */
 #include <stdint.h>
 #include <string.h>
@@ -100,7 +103,7 @@ int64_t ig_attend_scratch(int64_t d) { return d > 0 && d % LANES == 0 ? 2 * ATT_
 
 void ig_attend(const void *k, const void *v, int format, int64_t B, int64_t H, int64_t sb, int64_t sh, int64_t sn,
                int64_t G, int64_t n, int64_t d, const float *q, const uint8_t *valid, const float *knew,
-               const float *vnew, float *probs, int64_t probs_stride, float *tile, float *out) {
+               const float *vnew, float *probs, int64_t probs_stride, float *tile, float *out, float *norm) {
     const int64_t size = format == KEYS_F32 ? 4 : 2, T = n + 1;
     float *kt = tile, *vt = tile + ATT_TILE * d;
     for (int64_t b = 0; b < B; b++) {
@@ -122,16 +125,22 @@ void ig_attend(const void *k, const void *v, int format, int64_t B, int64_t H, i
                 }
             }
             for (int64_t g = 0; g < G; g++) { /* softmax, and the new position's part of the output */
-                float *pg = p + g * T;
-                pg[n] = dot(qr + g * d, knew + r * d, d);
+                float *pg = p + g * T, *og = o + g * d;
+                pg[n] = knew ? dot(qr + g * d, knew + r * d, d) : -INFINITY;
                 if (ok)
                     for (int64_t t = 0; t < n; t++) pg[t] = ok[t] ? pg[t] : -INFINITY;
                 const float top = max_from(pg, n, pg[n]);
+                if (top == -INFINITY) { /* nothing to attend (no new position, no valid row) */
+                    memset(pg, 0, (size_t)T * sizeof(float));
+                    memset(og, 0, (size_t)d * sizeof(float));
+                    if (norm) norm[2 * (r * G + g)] = -INFINITY, norm[2 * (r * G + g) + 1] = 0.0f;
+                    continue;
+                }
                 for (int64_t t = 0; t < T; t++) pg[t] = exp_f(pg[t] - top);
-                const float inv = 1.0f / sum_of(pg, T);
+                const float total = sum_of(pg, T), inv = 1.0f / total;
                 for (int64_t t = 0; t < T; t++) pg[t] *= inv;
-                float *og = o + g * d;
-                for (int64_t c = 0; c < d; c++) og[c] = pg[n] * vnew[r * d + c];
+                for (int64_t c = 0; c < d; c++) og[c] = knew ? pg[n] * vnew[r * d + c] : 0.0f;
+                if (norm) norm[2 * (r * G + g)] = top, norm[2 * (r * G + g) + 1] = total;
             }
             for (int64_t t0 = 0; t0 < n; t0 += ATT_TILE) { /* the rows' part of the output */
                 const int64_t m = n - t0 < ATT_TILE ? n - t0 : ATT_TILE;
