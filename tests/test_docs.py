@@ -19,10 +19,12 @@ def test_the_readme_is_short_and_its_first_screen_has_the_essentials():
         "make test",
         "pip install",
         "```python",
-        "docs/bench/bench_decode_8k_batches.png",
         "| policy |",
     ):
         assert essential in FIRST_SCREEN, essential
+    figures = [line for line in FIRST_SCREEN.splitlines() if line.startswith("![") and "](docs/bench/" in line]
+    assert len(figures) == 1 and figures[0].endswith(".png)"), figures
+    assert (ROOT / figures[0].split("](", 1)[1][:-1]).is_file()
 
 
 def test_every_policy_has_a_row_in_the_readme():
