@@ -15,6 +15,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from infinigen.compat import cache_kwargs
+
 VOCAB = 96
 
 
@@ -153,7 +155,7 @@ def greedy_with_logits(model, cache, new_tokens: int = 5):
     """Greedy generation of the left-padded test batch through `cache`, logits kept."""
     ids, mask = left_padded_batch()
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return model.generate(past_key_values=cache, output_logits=True, return_dict_in_generate=True, **kw)
+    return model.generate(**cache_kwargs(model, cache), output_logits=True, return_dict_in_generate=True, **kw)
 
 
 def open_files_in(directory, pid: int | str = "self") -> list[str]:

@@ -7,6 +7,8 @@ import torch
 
 from conftest import left_padded_batch, tiny_model
 from infinigen import InfiniGenCache, InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
+from infinigen.config import POLICIES
 
 CFG = InfiniGenConfig(calibration_tokens=64)
 
@@ -78,8 +80,8 @@ def test_decode_steps_leave_a_core_to_the_prefetch_thread_and_threads_are_restor
     try:
         torch.set_num_threads(3)
         for cfg, decode_threads in ((CFG, 2), (CFG.replace(policy="dense"), 3), (CFG.replace(compute_threads=1), 1)):
-            seen.clear()
             with attach(model, cfg, progress=False):
+                seen.clear()  # not the attach self-check's forwards
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
             assert seen[0] == (ids.shape[1], 3)  # the prefill uses every thread
             assert {t for q, t in seen[1:]} == {decode_threads} and all(q == 1 for q, _ in seen[1:])
@@ -130,7 +132,9 @@ def test_one_session_serves_configs_with_other_skew_settings():
             sparse.replace(policy="h2o", budget=0.3),
         ):
             cache = session.new_cache(cfg)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, past_key_values=cache, pad_token_id=0)
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=3, **cache_kwargs(model, cache), pad_token_id=0
+            )
             assert 0 < cache.summary()["fetched_fraction"] < 1
 
 
@@ -140,3 +144,23 @@ def test_a_folded_session_refuses_a_config_with_another_skew():
         with pytest.raises(ValueError, match="folded into its weights.*attach again"):
             session.new_cache(CFG.replace(partial_ratio=0.3))
         session.new_cache(CFG.replace(policy="quest", budget=0.2))  # other selectors need no skew
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "infinigen"])
+def test_a_policy_that_needs_no_skew_runs_at_once_without_calibrating(policy, monkeypatch, tmp_path):
+    """Dense and the baselines read no skew artifact: on an empty cache they generate without the
+    first-use calibration (minutes on a real model)."""
+    import infinigen.calibration as calibration
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("calibrated for a policy that needs no skew")
+
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "calibrate_skew", refuse)
+    monkeypatch.setattr(calibration.Calibrator, "measure", refuse)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch()
+    with attach(model, InfiniGenConfig(policy=policy), progress=False) as session:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+        assert session.last_cache.summary()["decode_steps"] == 2
+    assert not list(tmp_path.rglob("*.safetensors"))

@@ -11,6 +11,7 @@ import torch
 from conftest import VOCAB, left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach, attention, kernels
 from infinigen.attention import attend_stored, widen_rows
+from infinigen.compat import cache_kwargs
 from infinigen.layers import ComputeLayer
 
 
@@ -135,7 +136,7 @@ def test_dense_layers_kept_in_16_bits_are_attended_as_stored_at_a_decode_step(pa
         with attach(model, cfg, progress=False) as session:
             cache = session.new_cache()
             return model.generate(
-                input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=5, do_sample=False,
                 output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )  # fmt: skip
 

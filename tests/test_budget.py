@@ -10,6 +10,7 @@ import torch
 from conftest import VOCAB, run_cli, tiny_model
 from infinigen import InfiniGenConfig, attach, budget
 from infinigen.budget import MemoryBudgetError, Request, estimate
+from infinigen.compat import cache_kwargs
 from infinigen.config import ConfigError
 from infinigen.memory import dense_kv_bytes
 from infinigen.models import get_adapter
@@ -28,7 +29,7 @@ def _generate(model, cfg, rows=B, new=N, **cache_args):
     with attach(model, cfg, progress=False) as session:
         with session.new_cache(**cache_args) as cache:
             model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=new,
                 do_sample=False, pad_token_id=0,
             )  # fmt: skip
             return cache.memory(), cache.plan, cache.summary()
@@ -94,7 +95,7 @@ def test_a_budget_reads_the_windows_from_the_tier_when_keeping_them_does_not_fit
         with attach(tiny_window_model, base.replace(compute_memory=memory), progress=False) as session:
             with session.new_cache(max_length=P + N, batch=B) as cache:
                 tokens[memory] = tiny_window_model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=N,
+                    input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(tiny_window_model, cache), max_new_tokens=N,
                     do_sample=False, pad_token_id=0,
                 )  # fmt: skip
                 if memory is not None:
@@ -169,7 +170,9 @@ def test_a_cache_planned_for_fewer_rows_refuses_more():
     cfg = InfiniGenConfig(policy="full", kv_dtype="float16", compute_memory="1GiB")
     with attach(model, cfg, progress=False) as session, session.new_cache(max_length=P + N, batch=1) as cache:
         with pytest.raises(MemoryBudgetError, match="planned for a batch of 1"):
-            model.generate(input_ids=_ids(2), past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+            model.generate(
+                input_ids=_ids(2), **cache_kwargs(model, cache), max_new_tokens=2, do_sample=False, pad_token_id=0
+            )
 
 
 def test_sizes_are_read_as_people_write_them():
@@ -313,7 +316,7 @@ def test_a_default_aim_that_cannot_be_met_takes_the_leanest_lossless_plan_and_sa
             with session.new_cache(max_length=P + N, batch=1) as cache:  # planned for 1 row, given 2
                 ids = _ids()
                 tokens[memory] = model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
+                    input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=8,
                     do_sample=False, pad_token_id=0,
                 )  # fmt: skip
                 if memory == "auto":

@@ -7,6 +7,7 @@ import torch
 
 from conftest import left_padded_batch, open_files_in, tiny_model
 from infinigen import InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
 from infinigen.storage import KVStorageError
 
 
@@ -16,7 +17,7 @@ def _generate(model, ids, mask, cache, n=6):
         attention_mask=mask,
         max_new_tokens=n,
         do_sample=False,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         output_logits=True,
         return_dict_in_generate=True,
         pad_token_id=0,
@@ -278,13 +279,13 @@ def test_a_run_whose_length_is_known_reserves_it_and_survives_a_full_disk(mount_
         try:
             with session.new_cache(max_length=ids.shape[1] + n) as cache:
                 out = model.generate(
-                    **kwargs, past_key_values=cache, stopping_criteria=StoppingCriteriaList([FillTheDisk()])
+                    **kwargs, **cache_kwargs(model, cache), stopping_criteria=StoppingCriteriaList([FillTheDisk()])
                 )
         except KVStorageError as exc:
             if "O_DIRECT" in str(exc):
                 pytest.skip("this kernel's tmpfs refuses O_DIRECT")
             raise
-        ref = model.generate(**kwargs, past_key_values=session.new_cache(cfg.replace(tier="ram")))
+        ref = model.generate(**kwargs, **cache_kwargs(model, session.new_cache(cfg.replace(tier="ram"))))
     assert (disk / "filler").exists() and torch.equal(out, ref)
     assert [p.name for p in disk.iterdir()] == ["filler"] and open_files_in(disk) == []
 

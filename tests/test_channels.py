@@ -8,6 +8,7 @@ import torch
 
 from conftest import tiny_model
 from infinigen import ConfigError, InfiniGenConfig, SkewArtifact, SkewArtifactError, attach
+from infinigen.compat import cache_kwargs
 from infinigen.models import get_adapter
 from infinigen.select import make_selector
 from infinigen.skew import calibrate, synthetic_calibration_ids
@@ -91,7 +92,7 @@ def test_calibrated_channels_calibrate_save_reload_and_decode(monkeypatch, tmp_p
     cfg = InfiniGenConfig(budget=0.25, partial_ratio=0.5, channel_allocation="calibrated", calibration_tokens=64)
     with attach(model, cfg, progress=False) as session, session.new_cache() as cache:
         art = session.artifact
-        model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        model.generate(input_ids=ids, **cache_kwargs(model, cache), max_new_tokens=4, do_sample=False)
         described = cache.summary()["policy_settings"]["layer_channels"]
     flat, rising = art.channel_recall[2], art.channel_recall[3]
     assert (flat - flat[-1]).abs().max() < 1e-4 and rising[-1] - rising[0] > 0.02
@@ -102,7 +103,7 @@ def test_calibrated_channels_calibrate_save_reload_and_decode(monkeypatch, tmp_p
 
     monkeypatch.setattr(skew_mod, "calibrate", lambda *a, **k: pytest.fail("recalibrated a sound artifact"))
     with attach(model, cfg, progress=False) as session, session.new_cache() as cache:
-        out = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        out = model.generate(input_ids=ids, **cache_kwargs(model, cache), max_new_tokens=4, do_sample=False)
         assert cache.summary()["policy_settings"]["layer_channels"] == described
         proj = cache.selector.proj
         assert [proj[i].shape[-1] for i in (2, 3)] == [d // 8, d - d // 8]
@@ -134,7 +135,7 @@ def test_uniform_is_the_artifacts_channels_with_or_without_the_tables(tmp_path):
         with attach(model, cfg, skew=tmp_path / f"{name}.safetensors", progress=False) as session:
             with session.new_cache() as cache:
                 out = model.generate(
-                    input_ids=ids, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                    input_ids=ids, **cache_kwargs(model, cache), max_new_tokens=5, do_sample=False,
                     output_logits=True, return_dict_in_generate=True,
                 )  # fmt: skip
                 outs.append(torch.stack(out.logits))

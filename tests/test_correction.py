@@ -9,6 +9,7 @@ import torch
 
 from conftest import VOCAB, tiny_model, tiny_variant
 from infinigen import InfiniGenConfig, SkewArtifact, SkewArtifactError, attach
+from infinigen.compat import cache_kwargs
 from infinigen.models import get_adapter
 from infinigen.select import make_selector
 from infinigen.skew import SkewArtifactWarning, calibrate, synthetic_calibration_ids
@@ -173,7 +174,7 @@ def test_the_chosen_correction_decodes_as_the_same_split_set_by_hand(tmp_path):
         with attach(model, cfg, skew=tmp_path / "rigged.safetensors", progress=False) as session:
             with session.new_cache() as cache:
                 out = model.generate(
-                    input_ids=ids, past_key_values=cache, max_new_tokens=6, do_sample=False,
+                    input_ids=ids, **cache_kwargs(model, cache), max_new_tokens=6, do_sample=False,
                     output_logits=True, return_dict_in_generate=True,
                 )  # fmt: skip
                 runs.append((out.sequences, torch.stack(out.logits), cache.summary()))

@@ -11,6 +11,7 @@ import torch
 from conftest import left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
 from infinigen.attention import attention_scaling
+from infinigen.compat import cache_kwargs
 from infinigen.eval.recall import RecallObserver
 from infinigen.roles import Role
 from infinigen.speculate import Selection
@@ -83,7 +84,7 @@ class _Watch:
 
 def _generate(model, ids, mask, cache, n=4):
     return model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, past_key_values=cache, pad_token_id=0
+        input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **cache_kwargs(model, cache), pad_token_id=0
     )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from conftest import greedy_with_logits, tiny_model
 from infinigen import InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
 from infinigen.config import POLICIES
 from infinigen.skew import model_fingerprint
 from infinigen.skew.choice import stored_choice
@@ -35,6 +36,7 @@ def test_every_policy_runs_on_a_16_bit_model(dtype):
         assert (s["bytes_fetched"] > 0) == (policy != "dense"), policy
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_full_equals_the_unmodified_16_bit_model(dtype, family):
@@ -56,10 +58,10 @@ def test_full_equals_the_unmodified_16_bit_model(dtype, family):
 def _forced_argmax(model, cache, ids: torch.Tensor) -> torch.Tensor:
     """Greedy choices [FORCED] after a PROMPT-token prefill, feeding `ids`' own next tokens one decode
     step at a time through `cache` (teacher forcing: one early miss does not derail the rest)."""
-    out = model(input_ids=ids[:, :PROMPT], past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True)
     choices = [out.logits[0, -1].argmax()]
     for t in range(PROMPT, PROMPT + FORCED - 1):
-        out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)
         choices.append(out.logits[0, -1].argmax())
     return torch.stack(choices)
 

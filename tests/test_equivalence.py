@@ -8,6 +8,9 @@ from transformers import DynamicCache
 
 from conftest import FAMILIES, left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
+
+pytestmark = pytest.mark.compat  # CI runs these on the newest admitted transformers too
 
 FETCH_ALL = InfiniGenConfig(alpha=math.inf, budget=1.0, calibration_tokens=64)
 
@@ -18,7 +21,7 @@ def _generate(model, ids, mask, cache):
         attention_mask=mask,
         max_new_tokens=8,
         do_sample=False,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         output_logits=True,
         return_dict_in_generate=True,
         pad_token_id=0,

@@ -6,6 +6,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import left_padded_batch, tiny_model
 from infinigen import ContextTooLongError, InfiniGenConfig, UnsupportedModelError, attach
+from infinigen.compat import cache_kwargs
 
 
 def test_unsupported_architecture_names_the_supported_ones():
@@ -21,7 +22,7 @@ def test_prompt_longer_than_context_fails_before_any_work():
     with attach(model, InfiniGenConfig(calibration_tokens=64), progress=False) as session:
         cache = session.new_cache()
         with pytest.raises(ContextTooLongError, match="300 tokens exceed the model's context of 256"):
-            model.generate(input_ids=ids, max_new_tokens=2, past_key_values=cache, do_sample=False)
+            model.generate(input_ids=ids, max_new_tokens=2, **cache_kwargs(model, cache), do_sample=False)
         assert cache.get_seq_length() == 0 and cache.summary()["bytes_fetched"] == 0
         with pytest.raises(ContextTooLongError, match="max_length"):
             session.new_cache(max_length=257)
@@ -42,7 +43,7 @@ def test_beam_search_is_refused_clearly():
     with attach(model, InfiniGenConfig(calibration_tokens=64), progress=False) as session:
         with pytest.raises(NotImplementedError, match="beam search|num_return_sequences"):
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, past_key_values=session.new_cache(),
+                input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, **cache_kwargs(model, session.new_cache()),
                 pad_token_id=0,
             )  # fmt: skip
 

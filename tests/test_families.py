@@ -14,6 +14,7 @@ from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, Gemma3Fo
 
 from conftest import VARIANTS, VOCAB, WINDOW, left_padded_batch, tiny_variant
 from infinigen import InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
 from infinigen.eval.evaluator import Evaluator
 from infinigen.eval.stepwise import forced_logits
 from infinigen.models import UnsupportedModelError, get_adapter
@@ -28,7 +29,7 @@ HYBRID = ["qwen2-hybrid", "gemma3", "mistral-sliding"]
 
 def _generate(model, ids, mask, cache, new=8):
     return model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, past_key_values=cache,
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **cache_kwargs(model, cache),
         output_logits=True, return_dict_in_generate=True, pad_token_id=0,
     )  # fmt: skip
 
@@ -38,6 +39,7 @@ def _batch():
     return left_padded_batch(length=3 * WINDOW)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("policy", ["full-fetch", "full"])
 def test_full_fetch_equals_the_model_with_its_own_cache(name, policy):
@@ -134,6 +136,7 @@ FORCED = {
 }
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", ["gemma3", "qwen2-hybrid", "qwen3"])
 @pytest.mark.parametrize("policy", list(FORCED))
 def test_evaluator_equals_step_by_step_decode(name, policy):
@@ -211,7 +214,7 @@ def test_chunked_prefill_is_the_same_prefill(name):
     ids = torch.randint(3, VOCAB, (1, 3 * WINDOW + 5), generator=torch.Generator().manual_seed(4))
     whole, parts = DynamicCache(config=model.config), DynamicCache(config=model.config)
     with torch.no_grad():
-        ref = model(input_ids=ids, past_key_values=whole, use_cache=True).logits[:, -1]
+        ref = model(input_ids=ids, **cache_kwargs(model, whole), use_cache=True).logits[:, -1]
     got = chunked_prefill(model, ids, parts, chunk=WINDOW - 3).logits[:, -1]
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(parts.layers, whole.layers):
@@ -256,6 +259,7 @@ WINDOWED = {  # policies whose sliding windows may be read back from the tier, a
 }
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 @pytest.mark.parametrize("policy, name", [(p, n) for p, (_, names) in WINDOWED.items() for n in names])
 def test_windows_read_from_the_tier_decode_as_kept_windows(tmp_path, policy, name, tier):
@@ -297,7 +301,9 @@ def test_windows_read_from_the_tier_after_a_chunked_prefill(name):
     model = tiny_variant(name)
     ids = torch.randint(3, VOCAB, (1, 3 * WINDOW + 5), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        ref = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits[:, -1]
+        ref = model(input_ids=ids, **cache_kwargs(model, DynamicCache(config=model.config)), use_cache=True).logits[
+            :, -1
+        ]
     config = InfiniGenConfig(policy="full", windows_on_compute=False, compute_memory=None)
     with attach(model, config, progress=False) as session, session.new_cache() as cache:
         got = chunked_prefill(model, ids, cache, chunk=WINDOW - 3).logits[:, -1]

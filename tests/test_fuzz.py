@@ -15,6 +15,7 @@ import torch
 from conftest import VOCAB, left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
 from infinigen.cli_settings import add_arguments, from_arguments, parse_setting
+from infinigen.compat import cache_kwargs
 from infinigen.config import ConfigError, SpeculationKnobs, setting_fields, setting_type
 from infinigen.errors import InfiniGenError
 from infinigen.storage import DiskTier, Int4RamTier, RamTier, TransferStats, roundtrip
@@ -99,7 +100,7 @@ def _generate(model, cfg, ids, mask, new_tokens, known_length: bool):
             out = model.generate(**kwargs)
             return out, session.last_cache.summary()
         with session.new_cache(max_length=ids.shape[1] + new_tokens) as cache:
-            out = model.generate(**kwargs, past_key_values=cache)
+            out = model.generate(**kwargs, **cache_kwargs(model, cache))
             return out, cache.summary()
 
 

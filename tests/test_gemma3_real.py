@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from infinigen import InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
 from infinigen.paths import default_cache_dir
 
 REAL_CACHE = default_cache_dir()  # read at import, before the tests isolate their cache folder
@@ -43,7 +44,7 @@ def _prompt(tok, n: int) -> torch.Tensor:
 
 def _generate(model, ids, cache):
     return model.generate(
-        input_ids=ids, max_new_tokens=6, do_sample=False, past_key_values=cache,
+        input_ids=ids, max_new_tokens=6, do_sample=False, **cache_kwargs(model, cache),
         output_logits=True, return_dict_in_generate=True,
     )  # fmt: skip
 

@@ -10,6 +10,7 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from infinigen import InfiniGenConfig, attach, kernels
+from infinigen.compat import cache_kwargs
 from infinigen.speculate import aggregate_group, all_valid, partial_scores, select_blocks, select_positions, top_up
 
 
@@ -262,7 +263,7 @@ def test_decode_is_the_same_through_the_kernels_and_the_tensor_path(kv_dtype, co
         model = tiny_model("llama")
         with attach(model, cfg, progress=False) as session, session.new_cache() as cache:
             out = model.generate(
-                input_ids=ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
+                input_ids=ids, **cache_kwargs(model, cache), max_new_tokens=12, do_sample=False,
                 output_logits=True, return_dict_in_generate=True,
             )  # fmt: skip
             summary = cache.summary()

@@ -23,13 +23,13 @@ def _project() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-def _pins() -> dict[str, Version]:
+def _pins(lock: str = "constraints.txt") -> dict[str, Version]:
     pins = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
+    for line in (ROOT / lock).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             name, _, version = line.partition("==")
-            assert version, f"constraints.txt: {line!r} is not an exact pin"
+            assert version, f"{lock}: {line!r} is not an exact pin"
             pins[canonicalize_name(name)] = Version(version)
     return pins
 
@@ -46,7 +46,7 @@ def test_dependencies_are_ranges_with_an_upper_bound():
     for req in (Requirement(r) for r in _project()["dependencies"]):
         ops = {spec.operator for spec in req.specifier}
         assert "==" not in ops, f"{req}: an exact pin keeps the library from installing next to others"
-        assert ">=" in ops and "<" in ops, f"{req}: give the tested lower bound and the next major as upper bound"
+        assert ">=" in ops and ops & {"<", "<="}, f"{req}: give the tested lower bound and an upper bound"
 
 
 def test_constraints_pin_every_requirement_inside_its_range():
@@ -59,11 +59,49 @@ def test_constraints_pin_every_requirement_inside_its_range():
         )
 
 
+def test_the_newest_lock_pins_the_newest_admitted_transformers():
+    """CI's second environment (make test-newest) is the other end of the tested range: the
+    transformers release at the range's upper bound, and every requirement inside its range."""
+    newest = _pins("constraints-newest.txt")
+    (transformers,) = [Requirement(r) for r in _project()["dependencies"] if r.startswith("transformers")]
+    (upper,) = [Version(s.version) for s in transformers.specifier if s.operator == "<="]
+    assert newest["transformers"] == upper, "constraints-newest.txt must pin the newest admitted transformers"
+    assert newest["transformers"] > _pins()["transformers"], "the two environments must test two releases"
+    for req in (Requirement(r) for r in _project()["dependencies"] + _project()["optional-dependencies"]["dev"]):
+        name = canonicalize_name(req.name)
+        assert name in newest and req.specifier.contains(newest[name], prereleases=True), (req, newest.get(name))
+    assert newest["torch"] == _pins()["torch"]  # the CPU build both environments install
+
+
+def _recipes(makefile: str) -> dict[str, list[str]]:
+    """Each Makefile target's recipe lines."""
+    out: dict[str, list[str]] = {}
+    target = None
+    for line in makefile.splitlines():
+        if line.startswith("\t") and target is not None:
+            out[target].append(line)
+        elif line and not line.startswith((" ", "#")) and ":" in line and "=" not in line.split(":", 1)[0]:
+            target = line.split(":", 1)[0].strip()
+            out[target] = []
+    return out
+
+
 def test_makefile_installs_through_the_constraints():
+    """Every install `make` does is pinned (constraints.txt, or constraints-newest.txt for the newest
+    environment), but the one that makes constraints-newest.txt: it resolves as a user's does."""
     makefile = (ROOT / "Makefile").read_text()
-    installs = [line for line in makefile.splitlines() if "pip install" in line and "--upgrade pip" not in line]
-    assert installs and all("-c $(LOCK)" in line for line in installs), installs
-    assert "LOCK   := constraints.txt" in makefile
+    assert "LOCK   := constraints.txt" in makefile and "NEWEST       := constraints-newest.txt" in makefile
+    checked = 0
+    for target, recipe in _recipes(makefile).items():
+        for line in recipe:
+            if "pip install" not in line or "--upgrade pip" in line:
+                continue
+            if target == "lock-newest":
+                assert "-c " not in line or "torch==" in line, line
+                continue
+            assert "-c $(LOCK)" in line or "-c $(NEWEST)" in line or "--no-deps --force-reinstall ." in line, line
+            checked += 1
+    assert checked >= 4
 
 
 @pytest.mark.skipif(subprocess.run([sys.executable, "-m", "build", "--version"], capture_output=True).returncode != 0,

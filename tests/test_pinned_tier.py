@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from conftest import greedy_with_logits, left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
 from infinigen.storage import (
     KVStorageError,
     PinnedTier,
@@ -165,13 +166,13 @@ def test_cache_on_cuda_with_pinned_tier_matches_dynamic_cache():
     ids, mask = (t.cuda() for t in left_padded_batch())
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     kw.update(output_logits=True, return_dict_in_generate=True)
-    ref = model.generate(past_key_values=DynamicCache(config=model.config), **kw)
+    ref = model.generate(**cache_kwargs(model, DynamicCache(config=model.config)), **kw)
     cfg = InfiniGenConfig(alpha=math.inf, budget=1.0, tier="pinned", calibration_tokens=64)
     with attach(model, cfg, progress=False) as session:
-        out = model.generate(past_key_values=session.new_cache(), **kw)
+        out = model.generate(**cache_kwargs(model, session.new_cache()), **kw)
         assert torch.equal(out.sequences, ref.sequences)
         for a, b in zip(out.logits, ref.logits):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         sparse = session.new_cache(cfg.replace(alpha=1.0))
-        model.generate(past_key_values=sparse, **kw)
+        model.generate(**cache_kwargs(model, sparse), **kw)
         assert 0 < sparse.summary()["fetched_fraction"] <= 1

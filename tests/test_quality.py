@@ -13,6 +13,7 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from infinigen import InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
 from infinigen.eval.datasets import DatasetMissingError, code_text, load_text
 from infinigen.eval.ruler import TASKS, riemann_zeta, ruler_score, split_sentences
 from infinigen.eval.suite import EvalRunner, EvalSettings
@@ -122,7 +123,7 @@ def test_greedy_by_teacher_forcing_equals_greedy_decoding(cfg):
     ids = torch.randint(3, VOCAB, (1, 48), generator=torch.Generator().manual_seed(5))
     n = 10
     with attach(model, cfg, progress=False) as session, session.new_cache() as cache:
-        want = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=n, do_sample=False)[0, 48:]
+        want = model.generate(input_ids=ids, **cache_kwargs(model, cache), max_new_tokens=n, do_sample=False)[0, 48:]
     runner = EvalRunner(model, None, EvalSettings(), progress=False)
     with runner.ev:
         prefix = runner.ev.prefill(ids)
@@ -187,7 +188,7 @@ def test_summary_reports_each_layers_budget_and_what_it_fetched():
     ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
     cfg = InfiniGenConfig(alpha=math.inf, budget=0.25, allocation="calibrated", calibration_tokens=64)
     with attach(model, cfg, progress=False) as session, session.new_cache() as cache:
-        model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        model.generate(input_ids=ids, **cache_kwargs(model, cache), max_new_tokens=6, do_sample=False)
         layers = [p for p in cache.summary()["per_layer"] if p["speculated"]]
     budgets = [p["budget"] for p in layers]
     assert len(budgets) == model.config.num_hidden_layers - cfg.dense_layers

@@ -11,6 +11,7 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from infinigen import InfiniGenConfig, attach, kernels
+from infinigen.compat import cache_kwargs
 from infinigen.config import ConfigError
 from infinigen.select.quantized import LEVELS, QuantizedPartialKeys, channel_scales, dequantize, quantize
 from infinigen.speculate import aggregate_group, partial_scores, select_positions, top_up
@@ -137,7 +138,7 @@ def _decode(cfg: InfiniGenConfig, new: int = 12):
     model = tiny_model("llama")
     with attach(model, cfg, progress=False) as session, session.new_cache() as cache:
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+            input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=new,
             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
         )  # fmt: skip
         return out.sequences, torch.stack(out.logits), cache.summary()

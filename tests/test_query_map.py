@@ -6,6 +6,7 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from infinigen import InfiniGenConfig, SkewArtifact, SkewArtifactError, attach
+from infinigen.compat import cache_kwargs
 from infinigen.models import get_adapter
 from infinigen.select import make_selector
 from infinigen.skew import calibrate, collect_qk, synthetic_calibration_ids
@@ -101,7 +102,7 @@ def test_a_map_equal_to_the_own_projection_decodes_as_plain_speculation(family, 
         with attach(model, cfg, skew=tmp_path / "own.safetensors", progress=False) as session:
             with session.new_cache(trace=True) as cache:
                 out = model.generate(
-                    input_ids=ids, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                    input_ids=ids, **cache_kwargs(model, cache), max_new_tokens=5, do_sample=False,
                     output_logits=True, return_dict_in_generate=True,
                 )  # fmt: skip
                 outs.append(torch.stack(out.logits))

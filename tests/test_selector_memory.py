@@ -6,6 +6,7 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from infinigen import InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
 from infinigen.growing import GROWTH_MIN, GrowingTensor
 from infinigen.models import get_adapter
 
@@ -30,7 +31,7 @@ def _selector_bytes(cfg: InfiniGenConfig, prompt: int, new: int) -> tuple[int, l
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (1, prompt), generator=torch.Generator().manual_seed(5))
     with attach(model, cfg, progress=False) as session, session.new_cache() as cache:
-        model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=new, do_sample=False)
+        model.generate(input_ids=ids, **cache_kwargs(model, cache), max_new_tokens=new, do_sample=False)
         s = cache.summary()
     return s["selector_bytes"], [p["layer"] for p in s["per_layer"] if p["role"] == "select"]
 

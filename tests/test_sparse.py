@@ -13,6 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from conftest import left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
+from infinigen.compat import cache_kwargs
 
 SPARSE = InfiniGenConfig(alpha=1.0, min_tokens=2, calibration_tokens=64, aggregation="union")
 
@@ -43,12 +44,12 @@ AttentionMaskInterface.register("test_masked", sdpa_mask)
 
 
 def _forced(model, ids, mask, cache, steps):
-    out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache))
     logits = [out.logits[:, -1]]
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-        out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache)
+        out = model(input_ids=nxt, attention_mask=mask, **cache_kwargs(model, cache))
         logits.append(out.logits[:, -1])
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     return torch.stack(logits)
@@ -91,7 +92,7 @@ def masked_replay(model, ids, mask, record, steps):
     attention masked to the recorded selection plus the current token."""
     model.set_attn_implementation("test_masked")
     ref_cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=mask, past_key_values=ref_cache)
+    out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, ref_cache))
     ref = [out.logits[:, -1]]
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     m = mask
@@ -107,7 +108,7 @@ def masked_replay(model, ids, mask, record, steps):
                 # Padding must never have been selected.
                 assert not (allowed[..., :past] & ~m[:, None, :past].bool()).any()
                 _MASKS[layer] = allowed
-            out = model(input_ids=nxt, attention_mask=m, past_key_values=ref_cache)
+            out = model(input_ids=nxt, attention_mask=m, **cache_kwargs(model, ref_cache))
             ref.append(out.logits[:, -1])
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     finally:

@@ -34,11 +34,13 @@ from transformers.generation.configuration_utils import GenerationMode
 from infinigen.attention import ATTN_NAME, register_attention
 from infinigen.budget import Request, plan
 from infinigen.cache import ContextTooLongError, InfiniGenCache, SessionCache
+from infinigen.compat import cache_in, check_transformers, with_cache
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InfiniGenError
 from infinigen.layers import AttendObserver
 from infinigen.models import ModelAdapter, get_adapter
 from infinigen.select import NotCalibratedError, Selector, make_selector
+from infinigen.selfcheck import PROMPT, Reference
 from infinigen.skew import SkewArtifact, calibration_length
 from infinigen.skew.artifact import needs_of
 
@@ -86,11 +88,14 @@ class Session:
         tokenizer=None,
         source: ArtifactSource | None = None,
         observer_for: Callable[[InfiniGenConfig], AttendObserver | None] | None = None,
+        check: bool = True,
     ) -> None:
         """artifact: the complete skew artifact of `config` (policy infinigen), verified by whoever
         made it; source: what makes the artifact of another configuration (`calibration.Calibrator`);
         without one, such a configuration is refused. observer_for: what watches a new cache's
-        attention for a config (recall, `measure_recall`: measured by the evaluation, above)."""
+        attention for a config (recall, `measure_recall`: measured by the evaluation, above).
+        check: decode a few positions through a full-fetch cache and compare them with the model's
+        own before handing the session out (`infinigen.selfcheck`; refuses with SelfCheckError)."""
         if model in _ATTACHED:
             raise RuntimeError(
                 "this model is already attached to an infinigen session: leave that `with` block "
@@ -114,12 +119,20 @@ class Session:
         self.artifact = artifact
         if artifact is not None:
             self.hold(self.config, artifact)
+        check_transformers()
+        self.check_distance: float | None = None  # the self-check's relative distance of logits, when run
+        reference = Reference(model) if check else None
         try:
             self._change_model()
+            _ATTACHED[model] = self
+            if reference is not None:
+                self.check_distance = reference.verify(
+                    model, lambda cfg: self.new_cache(cfg, max_length=PROMPT + 1, batch=1), self.config
+                )
+                torch.set_num_threads(self._threads)  # the check's decode step set the decode threads
         except BaseException:
             self.detach()
             raise
-        _ATTACHED[model] = self
 
     # ------------------------------------------------------------------ changing the model
     def _change_model(self) -> None:
@@ -154,7 +167,7 @@ class Session:
 
         @functools.wraps(generate)
         def generate_with_infinigen(*args, **kwargs):
-            cache = kwargs.get("past_key_values")
+            cache = cache_in(kwargs)
             if cache is not None and not isinstance(cache, SessionCache):
                 return generate(*args, **kwargs)  # the caller's own cache: the model runs as without infinigen
             settings = self._settings(args, kwargs)
@@ -169,13 +182,11 @@ class Session:
             if cache is not None:
                 if isinstance(cache, InfiniGenCache):
                     cache.check_open()
-                return generate(*args, **kwargs)
+                return generate(*args, **with_cache(self.model, kwargs, cache))
             cache = self.new_cache(**_planned_size(settings, args, kwargs))
             self._last = weakref.ref(cache)  # dropping an output handed back releases its files
             try:
-                out = generate(
-                    *args, past_key_values=cache, **{k: v for k, v in kwargs.items() if k != "past_key_values"}
-                )
+                out = generate(*args, **with_cache(self.model, kwargs, cache))
             except BaseException:
                 self._close(cache, "the generation that made it failed")
                 raise
@@ -224,7 +235,7 @@ class Session:
             check_generation_length(prompt, settings, self.adapter.max_positions)
 
     def _pre_hook(self, module: nn.Module, args, kwargs, layer: int):
-        cache = kwargs.get("past_key_values")
+        cache = cache_in(kwargs)
         if not isinstance(cache, SessionCache):
             return None  # a plain cache (or none): the model runs as it would without infinigen
         x = kwargs.get("hidden_states", args[0] if args else None)

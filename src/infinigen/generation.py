@@ -13,6 +13,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from infinigen.cache import ContextTooLongError
 from infinigen.calibration import attach
+from infinigen.compat import cache_kwargs
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InputError
 from infinigen.models import get_adapter
@@ -154,7 +155,7 @@ def run_generation(
                     max_new_tokens=todo,
                     min_new_tokens=todo,
                     do_sample=False,
-                    past_key_values=cache,
+                    **cache_kwargs(model, cache),
                     stopping_criteria=StoppingCriteriaList([clock]),
                     pad_token_id=tokenizer.pad_token_id,
                 )

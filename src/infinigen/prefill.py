@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from infinigen.compat import cache_kwargs
+
 PREFILL_CHUNK = 4096  # prompt tokens per forward
 
 
@@ -28,7 +30,7 @@ def chunked_prefill(model, ids: torch.Tensor, cache, chunk: int = PREFILL_CHUNK,
         total=total, desc="prefill", unit="tok", file=sys.stderr, leave=False, disable=not progress or total <= chunk
     ) as bar:
         for start in range(0, total, chunk):
-            out = model(input_ids=ids[:, start : start + chunk], past_key_values=cache, use_cache=True, **kwargs)
+            out = model(input_ids=ids[:, start : start + chunk], **cache_kwargs(model, cache), use_cache=True, **kwargs)
             bar.update(min(chunk, total - start))
     return out
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from infinigen.cli_settings import DISK_DEFAULTS, add_arguments, from_arguments
+from infinigen.compat import cache_kwargs
 from infinigen.config import AUTO_SHARE, POLICIES, InfiniGenConfig
 from infinigen.figures import pyplot
 from infinigen.memory import dense_kv_bytes
@@ -171,7 +172,7 @@ def run_child(args: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             if profiler is not None:
                 profiler.enable()
-            out = model(input_ids=tokens, past_key_values=past, use_cache=True)
+            out = model(input_ids=tokens, **cache_kwargs(model, past), use_cache=True)
             tokens = out.logits[:, -1].argmax(-1, keepdim=True)
             if profiler is not None:
                 profiler.disable()

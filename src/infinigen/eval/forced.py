@@ -30,6 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from infinigen.attention import attention_scaling, dense_attention
 from infinigen.cache import SessionCache
+from infinigen.compat import cache_kwargs
 from infinigen.config import InfiniGenConfig
 from infinigen.eval.recall import HeadRecall
 from infinigen.layer_selector import LayerSelector, with_top_up
@@ -341,7 +342,7 @@ class ForcedRunner:
             record: dict[int, torch.Tensor] = {}
             layers = [_PrefillLayer(record, i) for i in range(self.adapter.num_layers)]
             cache = ForcedCache(layers)
-            self.model(input_ids=prefix.ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=prefix.ids, **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
             prefix._column_sums = record
         return prefix._column_sums
 
@@ -366,7 +367,7 @@ class ForcedRunner:
                 continue
             selecting = _prefilled(selector, i, prefix, self) if role == Role.SELECT else None
             layers.append(ForcedLayer(i, role, prefix, config, selecting, record))
-        out = self.model(input_ids=chunk, past_key_values=ForcedCache(layers), use_cache=True)
+        out = self.model(input_ids=chunk, **cache_kwargs(self.model, ForcedCache(layers)), use_cache=True)
         return ForcedResult(
             logits=out.logits.float(),
             per_layer_fraction=record.fraction,

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from infinigen.calibration import attach
+from infinigen.compat import cache_kwargs
 from infinigen.config import InfiniGenConfig
 
 
@@ -50,10 +51,10 @@ def forced_logits(
 
 
 def _step(model, ids, prefix_len: int, steps: int, cache, progress: bool, desc: str) -> torch.Tensor:
-    out = model(input_ids=ids[:, :prefix_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids[:, :prefix_len], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     logits = [out.logits[0, -1].float()]
     for s in tqdm(range(1, steps), desc=desc, disable=not progress, leave=False):
         tok = ids[:, prefix_len + s - 1 : prefix_len + s]
-        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+        out = model(input_ids=tok, **cache_kwargs(model, cache), use_cache=True)
         logits.append(out.logits[0, -1].float())
     return torch.stack(logits)

@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infinigen.cli_settings import RUN_DEFAULTS
+from infinigen.compat import cache_kwargs
 from infinigen.config import POLICIES, InfiniGenConfig
 from infinigen.eval.evaluator import Evaluator, ForcedResult, Prefix
 from infinigen.eval.metrics import kl_divergence, top1_agreement
@@ -208,7 +209,7 @@ class EvalRunner:
         cache = copy.deepcopy(prefix.cache)
         tokens = [int(prefix.last_logits[0].argmax())]
         for _ in range(n - 1):
-            out = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=torch.tensor([[tokens[-1]]]), **cache_kwargs(self.model, cache), use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
         return tokens
 

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from infinigen.calibration import attach
 from infinigen.cli_settings import RUN_DEFAULTS, parse_setting
+from infinigen.compat import cache_kwargs
 from infinigen.config import InfiniGenConfig
 from infinigen.loading import DEFAULT_MODEL, load_model, resolve_model_folder
 from infinigen.prefill import PREFILL_CHUNK, chunked_prefill
@@ -158,7 +159,9 @@ class InfiniGenLM(HFLM):
             if context.shape[1] > PREFILL_CHUNK and (mask is None or bool(mask.all())):
                 # A long prompt without padding is prefilled in chunks; generate goes on from the cache.
                 chunked_prefill(self.model, context[:, :-1], cache, logits_to_keep=1)
-            out = super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
+            out = super()._model_generate(
+                context, max_length, stop, **cache_kwargs(self.model, cache), **generation_kwargs
+            )
             self.totals["generate_until"].add(cache.summary())
         return out
 
@@ -172,7 +175,7 @@ class InfiniGenLM(HFLM):
             rows = [out.logits[0, -1]]
             for token in forced:
                 step = torch.tensor([[token]], device=self.device)
-                rows.append(self.model(input_ids=step, past_key_values=cache, use_cache=True).logits[0, -1])
+                rows.append(self.model(input_ids=step, **cache_kwargs(self.model, cache), use_cache=True).logits[0, -1])
             self.totals["loglikelihood"].add(cache.summary())
         return torch.stack(rows)
 
