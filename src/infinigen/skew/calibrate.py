@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from infinigen.models import ModelAdapter
+from infinigen.progress import bar as progress_bar
+from infinigen.progress import ticking
 from infinigen.skew.artifact import SkewArtifact, model_fingerprint
 from infinigen.skew.channels import skew_from_qk
 from infinigen.skew.query_map import QUERY_MAP_DTYPE, apply_query_map, fit_query_map, own_projection, project_queries
@@ -162,7 +163,7 @@ def collect_qk(
     qs: dict[int, torch.Tensor] = {}
     ks: dict[int, torch.Tensor] = {}
     previous: list[torch.Tensor] = []  # the last layer's normalized input, for the next fit
-    bar = tqdm(total=len(mods), desc="calibrating skew", unit="layer", disable=not progress)
+    bar = progress_bar(total=len(mods), desc="calibrating skew", unit="layer", disable=not progress)
     handles = []
     for i, mod in enumerate(mods):
 
@@ -187,12 +188,11 @@ def collect_qk(
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         device = next(model.parameters()).device
-        with rope_state_kept(model):
+        with ticking(bar), rope_state_kept(model):
             model(input_ids=input_ids.to(device), use_cache=False, logits_to_keep=1)
     finally:
         for h in handles:
             h.remove()
-        bar.close()
     return qs, ks
 
 
@@ -284,21 +284,24 @@ def calibrate(
     grid = torch.tensor(RECALL_GRID)
     corrections: dict[int, torch.Tensor] = {}
     oracle_errors: dict[int, torch.Tensor] = {}
-    for i in range(adapter.num_layers):
-        a, c, order = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, partial_ratio, skewed, with_order=True)
-        skews[i] = a if skewed else None
-        channels[i] = c
-        orders[i] = order
-        curves[i] = oracle_recall_curve(qs[i], ks[i], positions, adapter.scaling(i), grid)
-        tables[i] = partial_recall_table(qs[i], ks[i], positions, adapter.scaling(i), skews[i], order, counts)
-        if i in speculated and not adapter.is_local(i):  # local layers are never speculated
-            projection = partial_projection(skews[i], c, adapter.head_dim)
-            per_input = [
-                correction_error_table(qs[i], speculated[i][name], ks[i], values[i], positions, adapter.scaling(i), projection)
-                for name in SPECULATED_INPUTS
-            ]  # fmt: skip
-            corrections[i] = torch.stack([errors for errors, _ in per_input])
-            oracle_errors[i] = per_input[0][1]
+    done = progress_bar(total=adapter.num_layers, desc="calibrating tables", unit="layer", disable=not progress)
+    with ticking(done):
+        for i in range(adapter.num_layers):
+            a, c, order = skew_from_qk(qs[i], ks[i], adapter.num_kv_heads, partial_ratio, skewed, with_order=True)
+            skews[i] = a if skewed else None
+            channels[i] = c
+            orders[i] = order
+            curves[i] = oracle_recall_curve(qs[i], ks[i], positions, adapter.scaling(i), grid)
+            tables[i] = partial_recall_table(qs[i], ks[i], positions, adapter.scaling(i), skews[i], order, counts)
+            if i in speculated and not adapter.is_local(i):  # local layers are never speculated
+                projection = partial_projection(skews[i], c, adapter.head_dim)
+                per_input = [
+                    correction_error_table(qs[i], speculated[i][name], ks[i], values[i], positions, adapter.scaling(i), projection)
+                    for name in SPECULATED_INPUTS
+                ]  # fmt: skip
+                corrections[i] = torch.stack([errors for errors, _ in per_input])
+                oracle_errors[i] = per_input[0][1]
+            done.update(1)
     return SkewArtifact(
         skews=skews,
         channels=channels,
