@@ -3,15 +3,17 @@ only with --debug. Run in-process against a tiny model folder (`tiny_model_dir`)
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
+import re
 import shutil
 from collections import namedtuple
 
 import pytest
 
 from conftest import one_error_line, open_files_in, run_cli
-from infinigen.cli import main
+from infinigen.cli import build_parser, main
 from infinigen.errors import InputError
 
 
@@ -154,6 +156,59 @@ def test_help_is_for_users(capsys):
     assert rc == 0 and out.strip() == f"infinigen {version()}" and version()[0].isdigit()
 
 
+def _subcommands(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()):
+    """(command words, parser) of every command, the nested ones (bench decode, ...) included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _subcommands(sub, (*words, name))
+    if words:
+        yield words, parser
+
+
+def _help_of_each_flag(text: str) -> dict[str, str]:
+    """Each flag's help in a --help text (by its first option string), its wrapped lines joined."""
+    helps: dict[str, str] = {}
+    flag = None
+    for line in text.splitlines():
+        if match := re.match(r"  (-[-\w]+)", line):
+            flag = match.group(1)
+            helps[flag] = line
+        elif flag and line.startswith("   "):
+            helps[flag] += " " + line.strip()
+        else:
+            flag = None
+    return helps
+
+
+COMMANDS = {" ".join(words): parser for words, parser in _subcommands(build_parser())}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_with_a_default_says_it_in_help(command, capsys):
+    """A default that is a value (not None, False or empty) is in the flag's --help; a setting's
+    (suppressed in the parser: the config keeps it) is said in the setting's own help."""
+    from infinigen.cli import shown_default
+    from infinigen.config import setting_fields
+
+    rc, out, _ = run_cli(capsys, *command.split(), "--help")
+    assert rc == 0
+    helps = {flag: "".join(text.split()) for flag, text in _help_of_each_flag(out).items()}  # wrapping undone
+    checked = 0
+    for action in COMMANDS[command]._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        flag, default = action.option_strings[0], action.default
+        if default is argparse.SUPPRESS:
+            if action.dest in setting_fields():
+                assert "default" in helps[flag], flag
+                checked += 1
+        elif default is not None and default is not False and default not in ([], ""):
+            assert f"(default:{shown_default(default)})".replace(" ", "") in helps[flag], (flag, default)
+            checked += 1
+    assert checked or command == "bench"
+
+
 @pytest.mark.parametrize("what", ["non-UTF-8", "empty", "missing"])
 def test_calibration_file_errors_name_the_file(what, files, tiny_model_dir, capsys):
     path = {"non-UTF-8": files / "latin1.txt", "empty": files / "empty.txt", "missing": files / "nope.txt"}[what]
@@ -176,6 +231,20 @@ def test_model_errors_are_one_line(tmp_path, tiny_model_dir, capsys):
     weights.write_bytes(weights.read_bytes()[:1000])
     rc, _, err = run_cli(capsys, "generate", "--model", str(damaged), "--quiet", "--prompt", "a")
     assert rc == 1 and f"cannot load the model in {damaged}" in one_error_line(err)
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_refused_not_taken_for_the_default(name, capsys, monkeypatch):
+    from infinigen import loading
+
+    def default_model(*args, **kwargs):
+        raise AssertionError("the default model was resolved")
+
+    monkeypatch.setattr(loading, "smollm2_gguf", default_model)
+    rc, _, err = run_cli(capsys, "generate", "--model", name, "--quiet", "--prompt", "a")
+    assert rc == 2 and "error: the model name is empty: give 'smollm2'" in one_error_line(err)
+    with pytest.raises(InputError, match="the model name is empty"):
+        loading.load_model(name)
 
 
 def test_not_enough_space_is_one_line_before_the_model_runs(tmp_path, tiny_model_dir, capsys, monkeypatch):

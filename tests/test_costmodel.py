@@ -5,7 +5,7 @@ import json
 import pytest
 
 from infinigen.bench.costmodel import HARDWARE, MODELS, Hardware, ModelShape, Workload, kv_bytes, predict
-from infinigen.bench.model import MODELLED, validate
+from infinigen.bench.model import MODELLED, UNMEASURED, validate
 from infinigen.cli import main
 
 TOY = ModelShape("toy", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100)
@@ -86,5 +86,31 @@ def test_bench_model_prints_and_writes_a_modelled_table(tmp_path, capsys):
     assert report["meta"]["label"] == MODELLED
     assert {r["policy"] for r in report["table"]} == {"dense", "full", "infinigen"}
     assert report["paper"]["default_fraction"] == 0.1
-    with pytest.raises(SystemExit, match="unknown hardware 'h999'"):
-        main([*argv[:3], "h999", *argv[4:]])
+    assert main([*argv[:3], "h999", *argv[4:]]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown hardware 'h999'")
+
+
+def test_bench_model_runs_with_its_defaults_from_any_folder(tmp_path, monkeypatch, capsys):
+    """As the README lists it: no flags, no docs/ folder, no measured JSON; it says it is unmeasured."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "model"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0] == UNMEASURED and MODELLED in printed
+    report = json.loads((tmp_path / "results" / "model" / "bench_model.json").read_text())
+    infinigen = [r for r in report["table"] if r["policy"] == "infinigen"]
+    assert infinigen and all(r["fraction_source"] == "the default budget (not measured)" for r in infinigen)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--measured", "nope.json"], "error: --measured nope.json: no such file"),
+        (["--calibrate"], "error: --calibrate checks the model against measured rows"),
+    ],
+)
+def test_bench_model_refuses_a_missing_measured_file_in_one_line(flags, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "model", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(says) and len(err.splitlines()) == 1
+    assert not (tmp_path / "results").exists()  # refused before anything is written

@@ -3,13 +3,15 @@ each part against the arithmetic of its shapes, computed here from the model's d
 
 import json
 import math
+import re
 
 import pytest
 import torch
 
 from conftest import VOCAB, WINDOW, run_cli, tiny_model, tiny_variant
 from infinigen import InfiniGenConfig, attach
-from infinigen.memory import PARTS
+from infinigen.compat import cache_kwargs
+from infinigen.memory import PARTS, memory_line
 from infinigen.models import get_adapter
 
 PROMPT, NEW, BATCH = 150, 20, 2
@@ -21,7 +23,7 @@ def _run(model, cfg: InfiniGenConfig, *, close: bool = False):
     with attach(model, cfg, progress=False) as session:
         cache = session.new_cache(max_length=PROMPT + NEW)
         model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=NEW,
+            input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=NEW,
             do_sample=False, pad_token_id=0,
         )  # fmt: skip
         report, summary = cache.memory(), cache.summary()
@@ -145,6 +147,35 @@ def test_generate_prints_what_stays_with_the_compute(tiny_model_dir, capsys):
     assert rc == 0
     line = next(x for x in out.splitlines() if "kept with the compute" in x)
     assert "of dense's KV" in line and "in the ram tier" in line
+
+
+def test_more_than_dense_at_a_short_context_says_why(tiny_model_dir, capsys):
+    """A short prompt on the disk tier: whole blocks and the read buffer outweigh dense's few
+    positions of KV, and the line says so (the share alone reads like a fault)."""
+    rc, out, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "abc", "--max-new-tokens", "3",
+        "--policy", "full", "--tier", "disk", "--quiet",
+    )  # fmt: skip
+    assert rc == 0, err
+    line = next(x for x in out.splitlines() if "kept with the compute" in x)
+    share = float(re.search(r"= ([0-9.]+)% of dense's KV", line).group(1))
+    assert share > 100 and "over 100% as these parts have minimum sizes (" in line
+    assert "whole disk blocks and read buffers" in line and "the share falls as the context grows" in line
+    assert re.search(r"that a context of \d+ positions does not fill", line)
+
+
+def test_a_share_under_dense_needs_no_reason():
+    memory = {
+        "compute_kv_bytes": 50, "dense_kv_bytes": 100, "compute_share_of_dense_kv": 0.5, "tier_kv_bytes": 0,
+        "compute_parts": {"transfer_buffers": 50}, "tier": "ram", "positions": 4000,
+    }  # fmt: skip
+    assert (
+        memory_line(memory) == "kept with the compute: 50.0 B = 50.0% of dense's KV (100.0 B) (transfer buffers 50.0 B)"
+    )
+    over = memory_line({**memory, "compute_kv_bytes": 150, "compute_share_of_dense_kv": 1.5, "positions": 9})
+    assert "over 100% as these parts have minimum sizes (transfer buffers) that a context of 9 positions" in over
+    dense = {**memory, "compute_kv_bytes": 101, "compute_share_of_dense_kv": 1.01, "tier": "compute"}
+    assert "over 100%" not in memory_line(dense)  # dense's room preallocated for the generation: nothing to explain
 
 
 @pytest.mark.parametrize("policy", ["h2o", "quest", "streaming"])

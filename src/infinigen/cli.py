@@ -451,8 +451,32 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+def shown_default(value) -> str:
+    """A flag's default as a user would type it (a list as its comma list)."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's help ends with its default, written once here rather than in every help text;
+    not where the help already says it (the settings' own words) or there is none to say (None,
+    False, an empty list, a suppressed one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        if not action.option_strings or "default" in text or default is None or default is False:
+            return text
+        if default is argparse.SUPPRESS or (isinstance(default, (list, tuple, str)) and not default):
+            return text
+        return f"{text} (default: {shown_default(default).replace('%', '%%')})"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (with where to find the usage), like every error."""
+    """argparse, but a usage error is one line (with where to find the usage), like every error,
+    and every command's --help shows its flags' defaults (`HelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)  # the subcommands' parsers are Parsers too
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
@@ -475,13 +499,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_prompt_args(p: argparse.ArgumentParser, default_prompt: str, new_tokens: int = 64) -> None:
     p.add_argument("--prompt", default=None, help=f"the prompt text (default: {default_prompt})")
     p.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from this UTF-8 text file")
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=new_tokens,
-        metavar="N",
-        help=f"tokens to generate (default: {new_tokens})",
-    )
+    p.add_argument("--max-new-tokens", type=int, default=new_tokens, metavar="N", help="tokens to generate")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
@@ -499,9 +517,7 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(
-        prog="infinigen", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = Parser(prog="infinigen", description=DESCRIPTION, epilog=EPILOG)
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     _debug_flag(ap, default=False)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -525,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--prompt-tokens", type=int, default=DEMO_PROMPT_TOKENS, help="length of the shipped prompt (tokens)"
     )
-    d.add_argument("--batch", type=int, default=DEMO_BATCH, help=f"rows, the prompt repeated (default: {DEMO_BATCH})")
+    d.add_argument("--batch", type=int, default=DEMO_BATCH, help="rows, the prompt repeated")
     add_arguments(d, DISK_DEFAULTS, skip=("policy",))
     _debug_flag(d)
     d.set_defaults(func=cmd_demo)

@@ -185,7 +185,13 @@ def _alive(pid: int) -> bool:
 
 
 def resolve_model_folder(spec: str | None, cache_dir: Path | None = None, progress: bool = True) -> Path:
-    """The Hugging Face folder `spec` names (converting a GGUF once), or `ModelNotFoundError`."""
+    """The Hugging Face folder `spec` names (converting a GGUF once), or `ModelNotFoundError`.
+    None is the default model; an empty name is refused, not taken for it (a variable left unset)."""
+    if spec is not None and not spec.strip():
+        raise InputError(
+            f"the model name is empty: give {DEFAULT_MODEL!r}, {GEMMA3_MODEL!r}, a model folder or a .gguf file "
+            "(or no name at all for the default)"
+        )
     spec = spec or DEFAULT_MODEL
     if spec == DEFAULT_MODEL:
         return convert_gguf(smollm2_gguf(), cache_dir, progress)

@@ -82,7 +82,29 @@ def memory_line(memory: dict[str, Any]) -> str:
         f"kept with the compute: {format_bytes(memory['compute_kv_bytes'])}"
         + ("" if share is None else f" = {100 * share:.1f}% of dense's KV ({format_bytes(memory['dense_kv_bytes'])})")
         + (f" ({parts})" if parts else "")
+        + (_why_over_dense(memory) if share is not None and share > 1 and memory.get("tier") != "compute" else "")
         + tier
+    )
+
+
+def _why_over_dense(memory: dict[str, Any]) -> str:
+    """Why an offloading cache keeps more than dense's KV: the parts have minimum sizes (growth
+    room, rows read per layer, whole disk blocks and the read buffer) that a short context's KV
+    does not fill. (Dense itself keeps its KV and the room preallocated for the generation.)"""
+    held = memory["compute_parts"]
+    floors = [
+        what
+        for what, parts in (
+            ("room to grow", ("speculation_state", "dense_layers", "local_layers")),
+            ("transfer buffers", ("transfer_buffers",)),
+            ("whole disk blocks and read buffers", ("tier_buffers", "block_cache")),
+        )
+        if any(held.get(p) for p in parts)
+    ]
+    context = f"a context of {memory['positions']} positions" if memory.get("positions") else "a context this short"
+    return (
+        f"; over 100% as these parts have minimum sizes ({', '.join(floors) or 'buffers'}) that {context} does not "
+        "fill: the share falls as the context grows"
     )
 
 

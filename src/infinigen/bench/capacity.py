@@ -1,8 +1,9 @@
-"""`infinigen bench capacity`: for a memory budget next to the compute, the largest batch each
-policy can serve at a context, then a real decode there: tokens/s, bytes moved and peak RSS.
+"""`infinigen bench capacity`: for a memory budget next to the compute (`--memory`), the largest
+batch each policy can serve at a context, then a real decode there: tokens/s, bytes moved and
+peak RSS. `--budget` is, as in every command, the fraction of the context a policy reads per step.
 
 The capacity comes from the same plan a cache makes (`infinigen.budget.plan` with
-`compute_memory` = the budget): the largest batch whose KV-related bytes with the compute fit,
+`compute_memory` = the memory budget): the largest batch whose KV-related bytes with the compute fit,
 after the plan gives up what it may (block cache, partial-key precision). `int4` is the
 quantized-KV baseline kept *with* the compute, so its packed KV counts against the budget;
 `dense` keeps every layer whole in the KV's storage dtype. Then each policy decodes at its
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from infinigen.calibration import attach
     from infinigen.loading import load_model
 
-    budget = parse_size(args.memory_budget)
+    budget = args.memory
     policies = args.policies.split(",")
     base = run_settings(args)
     # Within a memory budget dense holds most in the run's storage dtype (16 bits), not as computed.
@@ -115,10 +116,10 @@ def run(args: argparse.Namespace) -> int:
             r["peak_rss_over_weights_and_budget_bytes"] = r["peak_rss_bytes"] - weights - budget
     table = _table(rows, budget)
     note = (
-        f"budget {format_bytes(budget)} of KV-related bytes with the compute (weights apart: {format_bytes(weights)}); "
+        f"--memory {format_bytes(budget)} of KV-related bytes with the compute (weights apart: {format_bytes(weights)}); "
         f"context {args.context}, {args.steps} decode steps at each policy's largest batch, tier {configs[0][1].tier} "
         "(int4 keeps its packed KV with the compute and counts it). 'max tokens' = batch x context planned within "
-        "the budget (infinigen.budget.plan, what a cache does with compute_memory); 'kept': measured at the end of "
+        "--memory (infinigen.budget.plan, what a cache does with compute_memory); 'kept': measured at the end of "
         "the run; 'RSS - weights - budget': the peak resident set beyond weights and budget (the runtime, "
         "activations and transient copies). Measured on this machine, not modelled."
     )
@@ -190,6 +191,17 @@ def _num(row: dict, key: str, scale: float = 1.0, fmt: str = ".2f") -> str:
     return "-" if row.get(key) is None else format(row[key] / scale, fmt)
 
 
+def memory_size(text: str) -> int:
+    """--memory in bytes, refused here in its own name (not as the `compute_memory` it becomes)."""
+    try:
+        size = parse_size(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: give one such as 512MiB or 1GiB")
+    return size
+
+
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     ap = ap or argparse.ArgumentParser(prog="infinigen bench capacity", description=__doc__)
     ap.add_argument(
@@ -197,10 +209,11 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     )
     ap.add_argument("--device", default="cpu", help="where the model computes")
     ap.add_argument(
-        "--budget",
-        dest="memory_budget",
+        "--memory",
+        type=memory_size,
         default="1GiB",
-        help="KV-related bytes allowed with the compute, e.g. 512MiB, 1GiB",
+        metavar="SIZE",
+        help="KV-related bytes allowed with the compute (the compute_memory of every run), e.g. 512MiB, 1GiB",
     )
     ap.add_argument("--context", type=int, default=8000, help="context length in tokens")
     ap.add_argument("--max-batch", type=int, default=256, help="the largest batch considered")
@@ -210,8 +223,8 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--run", action=argparse.BooleanOptionalAction, default=True,
                     help="decode at each largest batch (--no-run: the plan alone)")  # fmt: skip
     ap.add_argument("--out", default="results/bench_capacity", help="folder for bench_capacity.json and .txt")
-    # --budget is the memory budget here: the selecting policies read their default fraction (10 %)
-    add_arguments(ap, DISK_DEFAULTS, skip=("policy", "compute_memory", "budget"))
+    # --memory sets every run's compute_memory; --budget is the fetch fraction, as in every command
+    add_arguments(ap, DISK_DEFAULTS, skip=("policy", "compute_memory"))
     return ap
 
 

@@ -3,7 +3,8 @@
 Three outputs, all marked MODELLED where they are:
 1. the table: tokens/s and bytes read per token for dense, full fetch and InfiniGen (and the
    paper's int4 / H2O baselines with --policies), per hardware, model, context and batch; the
-   InfiniGen fetch fraction comes from a measured `bench decode` JSON (`--measured`);
+   InfiniGen fetch fraction comes from a measured `bench decode` JSON (`--measured`), else it is
+   the default budget (`UNMEASURED`: not measured, and said so);
 2. `--calibrate`: this machine measured (microbenchmarks + a 64-token `bench decode`) and the
    model's prediction of every dense / full / InfiniGen row of the `--measured` JSON next to
    the measured tokens/s, with the error (target: within 25 %);
@@ -27,10 +28,19 @@ from infinigen.bench.costmodel import (
     generation_seconds,
     predict,
 )
+from infinigen.config import SELECTING_BUDGET
+from infinigen.errors import InputError
 from infinigen.provenance import commit, machine
 
 MODELLED = "MODELLED (cost model; not measured)"
-DEFAULT_MEASURED = "docs/bench/bench_decode.json"
+# Without a --measured JSON: InfiniGen fetches its default budget, and a block device reads what this project's
+# disk read at that budget (bench decode at 8K tokens, docs/bench/bench_decode_8k_batches.json: 5.1 bytes per byte).
+UNMEASURED_AMPLIFICATION = 5.1
+UNMEASURED = (
+    f"no --measured bench decode JSON: InfiniGen modelled at its default budget, {SELECTING_BUDGET:.0%} of each "
+    f"speculated layer's context, and a disk's read amplification of {UNMEASURED_AMPLIFICATION} (measured on this "
+    "project's disk), not at fractions measured on this machine"
+)
 # arXiv 2406.19707, Section 6 and Figure 14: OPT-13B, batch 20, prompt 1920, 128 new tokens, on an
 # RTX A6000 with PCIe 3.0 x16; baselines FlexGen, FlexGen + INT4, FlexGen + H2O (20 % budget) and UVM.
 PAPER = {
@@ -52,8 +62,16 @@ ALPHA4_FRACTION = 0.067
 ALPHA4_SOURCE = "alpha = 4, as the paper runs it: measured 6.7 % on SmolLM2 at 2K, eval sensitivity suite"
 
 
-def _measured_rows(path: str) -> list[dict]:
-    return json.loads(Path(path).read_text())["rows"]
+def _measured_rows(path: str | None) -> list[dict]:
+    """The rows of a bench decode JSON; none without one (the model then takes `UNMEASURED`)."""
+    if path is None:
+        return []
+    try:
+        return json.loads(Path(path).read_text())["rows"]
+    except (ValueError, KeyError, TypeError):
+        raise InputError(
+            f"--measured {path} is not a bench decode JSON (no 'rows'): give a bench_decode.json"
+        ) from None
 
 
 def _nearest_row(rows: list[dict], context: int) -> dict:
@@ -62,13 +80,15 @@ def _nearest_row(rows: list[dict], context: int) -> dict:
 
     inf = [r for r in rows if r["policy"] == "infinigen" and r["batch"] == 1 and r.get("fetched_fraction")]
     if not inf:
-        raise SystemExit("the --measured JSON has no InfiniGen row at batch 1")
+        raise InputError("the --measured JSON has no InfiniGen row at batch 1: give a bench decode run of infinigen")
     return min(inf, key=lambda r: abs(math.log(r["context"] / context)))
 
 
 def _fraction_at(rows: list[dict], context: int) -> tuple[float, str]:
     """InfiniGen's measured fetch fraction at the nearest measured context; beyond the longest
-    measured context, held at its value (said so)."""
+    measured context, held at its value (said so); without measured rows, the default budget."""
+    if not rows:
+        return SELECTING_BUDGET, "the default budget (not measured)"
     row = _nearest_row(rows, context)
     held = " (held beyond it)" if context > row["context"] * 1.5 else ""
     return row["fetched_fraction"], f"measured at {row['context']} tokens{held}"
@@ -83,6 +103,8 @@ def _workload(hw: Hardware, rows: list[dict], context: int) -> Workload:
     fraction, where = _fraction_at(rows, context)
     if hw.block_bytes is None:
         return Workload(fraction=fraction, source=where)
+    if not rows:
+        return Workload(fraction=fraction, amplification=UNMEASURED_AMPLIFICATION, source=where)
     measured = workload_from_row(_nearest_row(rows, context), MODELS["smollm2-135m"])
     ampl = min(measured.amplification, hw.block_bytes / 512)
     return Workload(fraction=fraction, amplification=ampl, source=f"{where}; amplification {ampl:.2f} measured")
@@ -182,7 +204,7 @@ def paper_comparison(rows: list[dict]) -> dict:
         "latency_seconds": {**baselines, "infinigen": seconds},
         "speedup_over": over,
         "default_fraction": default_fraction,
-        "default_fraction_source": f"this library's default threshold (alpha = 5), {default_where}",
+        "default_fraction_source": f"this library's defaults, {default_where}",
         "default_latency_seconds": default_seconds,
         "default_speedup_over": default_over,
         "sensitivity_to_fraction": {f: speedups(f)[1] for f in (0.15, 0.10, 0.05, 0.03)},
@@ -223,6 +245,9 @@ def run(args: argparse.Namespace) -> int:
     rows = table(args, measured, hardware)
     report["table"] = rows
     text.insert(0, print_table(rows))
+    if not measured:
+        report["meta"]["unmeasured"] = UNMEASURED
+        text.insert(0, UNMEASURED)
     if args.paper:
         paper = paper_comparison(measured)
         report["paper"] = paper
@@ -265,28 +290,35 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--batches", type=_csv(int), default=[1, 8], help="comma-separated batch sizes")
     ap.add_argument("--policies", type=_csv(str), default=["dense", "full", "infinigen"],
                     help=f"of {', '.join(POLICIES)}")  # fmt: skip
-    ap.add_argument("--measured", default=DEFAULT_MEASURED,
-                    help="a bench decode JSON: InfiniGen's measured fetch fractions (and the rows --calibrate checks)")  # fmt: skip
+    ap.add_argument("--measured", default=None, metavar="FILE",
+                    help="a bench decode JSON: InfiniGen's measured fetch fractions (and the rows --calibrate checks; "
+                    "default: none, InfiniGen at its default budget, not measured)")  # fmt: skip
     ap.add_argument("--calibrate", action="store_true",
                     help="measure this machine and check the model against the --measured rows (minutes)")  # fmt: skip
     ap.add_argument("--paper", action="store_true", help="the InfiniGen paper's Figure 14 setting, modelled")
     ap.add_argument("--model-path", default=None, help="--calibrate: the model bench decode runs (default SmolLM2)")
-    ap.add_argument("--kv-dir", default=None, help="--calibrate: folder of the disk measurement's scratch file")
+    ap.add_argument("--kv-dir", default=None, help="--calibrate: folder of the disk measurement's scratch file "
+                    "(default: $INFINIGEN_KV_DIR or the temp folder)")  # fmt: skip
     ap.add_argument("--out", default="results/model", help="folder for the JSON and table (created if missing)")
     return ap
 
 
 def check_args(args: argparse.Namespace) -> None:
+    """Refuse what the flags name and the model cannot use, before any work (exit status 2)."""
     for h in args.hardware:
         if h not in HARDWARE:
-            raise SystemExit(f"unknown hardware {h!r}; named: {', '.join(HARDWARE)}")
+            raise InputError(f"unknown hardware {h!r}; named: {', '.join(HARDWARE)}")
     for m in args.models:
         if m not in MODELS:
-            raise SystemExit(f"unknown model {m!r}; named: {', '.join(MODELS)}")
+            raise InputError(f"unknown model {m!r}; named: {', '.join(MODELS)}")
     for p in args.policies:
         if p not in POLICIES:
-            raise SystemExit(f"unknown policy {p!r}; modelled: {', '.join(POLICIES)}")
+            raise InputError(f"unknown policy {p!r}; modelled: {', '.join(POLICIES)}")
     if any(c < 1 for c in args.contexts) or any(b < 1 for b in args.batches):
-        raise SystemExit("contexts and batches must be >= 1")
-    if not Path(args.measured).is_file():
-        raise SystemExit(f"--measured {args.measured}: no such file (a bench decode JSON)")
+        raise InputError("contexts and batches must be >= 1")
+    if args.measured is not None and not Path(args.measured).is_file():
+        raise InputError(
+            f"--measured {args.measured}: no such file; give the bench_decode.json that infinigen bench decode writes"
+        )
+    if args.calibrate and args.measured is None:
+        raise InputError("--calibrate checks the model against measured rows: give a bench decode JSON with --measured")
