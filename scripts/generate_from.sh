@@ -13,12 +13,14 @@ head -c "$bytes" "$root/src/infinigen/data/areopagitica_opening.txt" >"$work/pro
 cd "$work"
 "$venv/bin/infinigen" --version
 "$venv/bin/python" - "$root" <<'PY'
+import os
 import sys
 
 import infinigen
 import transformers
 
-assert sys.argv[1] not in infinigen.__file__, f"imported from the repository: {infinigen.__file__}"
+source = os.path.join(sys.argv[1], "src") + os.sep
+assert not infinigen.__file__.startswith(source), f"imported from the source tree: {infinigen.__file__}"
 print(f"infinigen imported from {infinigen.__file__} | transformers {transformers.__version__}")
 PY
 for policy in dense full; do

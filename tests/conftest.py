@@ -20,6 +20,15 @@ from infinigen.compat import cache_kwargs
 VOCAB = 96
 
 
+def pytest_report_header(config) -> str:
+    """Which transformers the suite runs on, and which infinigen (the source tree or an installed wheel)."""
+    import transformers
+
+    import infinigen
+
+    return f"transformers {transformers.__version__}; infinigen from {infinigen.__file__}"
+
+
 def require_default_model() -> None:
     """Skip (fail on CI, which installs it with `make test`) when the SmolLM2 package is missing.
     The package is located, never imported: its own imports need tools we do not install."""
