@@ -26,6 +26,7 @@ demo: env
 
 test: env
 	$(VENV)/bin/ruff check src tests
+	@$(PY) -c 'import transformers; print("tests on transformers", transformers.__version__)'
 	$(VENV)/bin/python -m pytest -q
 	$(MAKE) --no-print-directory test-newest
 
@@ -49,6 +50,7 @@ env-newest: $(STAMP_NEWEST)
 
 test-newest: env-newest
 	$(VENV_NEWEST)/bin/python -m pip install -q --no-deps --force-reinstall .
+	@$(VENV_NEWEST)/bin/python -c 'import transformers; print("exactness checks on transformers", transformers.__version__)'
 	$(VENV_NEWEST)/bin/python -m pytest -q -m compat -p no:cacheprovider
 	bash scripts/generate_from.sh $(VENV_NEWEST)
 

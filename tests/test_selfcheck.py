@@ -88,3 +88,14 @@ def test_an_untested_release_is_named_in_one_line():
     message = untested_transformers("5.26.0", ">=5.23.0,<5.26")
     assert message is not None and "5.26.0" in message and ">=5.23.0,<5.26" in message and "\n" not in message
     assert untested_transformers("5.22.2", ">=5.23.0,<5.26") is not None
+
+
+def test_a_model_that_passed_is_not_checked_again_until_it_changes():
+    model = tiny_model("llama")
+    with Session(model, FULL) as first:
+        assert first.check_distance is not None
+    with Session(model, FULL) as again:
+        assert again.check_distance is None  # the same model, as it was: the check is not repeated
+    model.to(torch.bfloat16)
+    with Session(model, FULL) as changed:
+        assert changed.check_distance is not None  # another dtype: checked again

@@ -40,7 +40,7 @@ from infinigen.errors import InfiniGenError
 from infinigen.layers import AttendObserver
 from infinigen.models import ModelAdapter, get_adapter
 from infinigen.select import NotCalibratedError, Selector, make_selector
-from infinigen.selfcheck import PROMPT, Reference
+from infinigen.selfcheck import PROMPT, Reference, passed_before
 from infinigen.skew import SkewArtifact, calibration_length
 from infinigen.skew.artifact import needs_of
 
@@ -95,7 +95,8 @@ class Session:
         without one, such a configuration is refused. observer_for: what watches a new cache's
         attention for a config (recall, `measure_recall`: measured by the evaluation, above).
         check: decode a few positions through a full-fetch cache and compare them with the model's
-        own before handing the session out (`infinigen.selfcheck`; refuses with SelfCheckError)."""
+        own before handing the session out (`infinigen.selfcheck`; refuses with SelfCheckError), unless
+        this model, with the same dtype and device, passed it before in this process."""
         if model in _ATTACHED:
             raise RuntimeError(
                 "this model is already attached to an infinigen session: leave that `with` block "
@@ -121,7 +122,7 @@ class Session:
             self.hold(self.config, artifact)
         check_transformers()
         self.check_distance: float | None = None  # the self-check's relative distance of logits, when run
-        reference = Reference(model) if check else None
+        reference = Reference(model) if check and not passed_before(model) else None
         try:
             self._change_model()
             _ATTACHED[model] = self

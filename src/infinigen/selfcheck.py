@@ -12,6 +12,7 @@ whose attention did not go through its cache layer, refuses the session in one s
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,21 @@ class SelfCheckError(InfiniGenError, RuntimeError):
     """The model's attention does not run through the session as it must: refused, not wrong."""
 
 
+def check_key(model: nn.Module) -> tuple:
+    """What a passed check vouches for: this model (by identity), its dtype, device and attention
+    implementation, under this transformers. Attaching the same model again skips the check."""
+    param = next(model.parameters())
+    return (id(model), param.dtype, param.device, model.config._attn_implementation, transformers.__version__)
+
+
+_PASSED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+def passed_before(model: nn.Module) -> bool:
+    """Whether this model, as it is now, already passed the check in this process."""
+    return _PASSED.get(model) == check_key(model)
+
+
 class Reference:
     """The model's own last-position logits on a few fixed tokens, taken before attach."""
 
@@ -42,8 +58,9 @@ class Reference:
         n = PROMPT + 1
         # Fixed, spread over the vocabulary, none repeated: every position has its own key.
         self.ids = ((torch.arange(n) * 7919 + 13) % vocab.shape[0]).to(vocab.device)[None]
+        self.key = check_key(model)
         with _evaluating(model), torch.no_grad():
-            self.logits = model(input_ids=self.ids, use_cache=False).logits[0, -1].float()
+            self.logits = model(input_ids=self.ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
 
     def verify(
         self, model: nn.Module, new_cache: Callable[[InfiniGenConfig], object], config: InfiniGenConfig
@@ -58,7 +75,7 @@ class Reference:
         attended = _count_attends(cache.layers)
         try:
             with _evaluating(model), torch.no_grad():
-                model(input_ids=self.ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True)
+                model(input_ids=self.ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
                 before = attended.copy()
                 out = model(input_ids=self.ids[:, PROMPT:], **cache_kwargs(model, cache), use_cache=True)
         finally:
@@ -77,6 +94,7 @@ class Reference:
                 f"(tested: {tested_range() or 'unknown'}): {what}, so generation would be silently wrong; "
                 "install a tested transformers release"
             )
+        _PASSED[model] = self.key
         return distance
 
 
