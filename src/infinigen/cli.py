@@ -508,8 +508,10 @@ def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
+    from infinigen.compat import DISTRIBUTION
+
     try:
-        return installed("infinigen-kv")
+        return installed(DISTRIBUTION)
     except PackageNotFoundError:
         from infinigen import __version__
 
