@@ -70,7 +70,7 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
     compute_item = _itemsize(compute_dtype)
     rows_item = _itemsize(rows_dtype(config.spec.fmt, kv_dtype, compute_dtype))  # a selection's rows
     parts = dict.fromkeys(PARTS, 0)
-    roles = _roles(config, adapter)
+    roles = config.layer_roles(adapter)
     offloaded = [i for i, r in enumerate(roles) if r.offloaded]
     whole_layer = b * hkv * n * d * 2 * _itemsize(kv_dtype)  # a layer kept whole, in the storage dtype
     for i, role in enumerate(roles):
@@ -92,10 +92,6 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
         span = max((_range_read(config, adapter, i, r, n) for i, r in enumerate(roles)), default=0)
         _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, held.most, span)
     return parts
-
-
-def _roles(config, adapter) -> list[Role]:
-    return [config.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
 
 
 def _range_read(config, adapter, layer: int, role: Role, positions: int) -> int:
@@ -129,7 +125,7 @@ def transfer_rows(config, adapter, selector, positions: int) -> TransferRows:
     """What the transfer buffers of a generation reaching `positions` hold (all zero when nothing
     is offloaded)."""
     stored, whole = [0, 0], [0, 0]
-    for i, role in enumerate(_roles(config, adapter)):
+    for i, role in enumerate(config.layer_roles(adapter)):
         if not role.offloaded:
             continue
         if role == Role.SELECT and selector is not None:
@@ -329,7 +325,7 @@ def _candidates(config, adapter, lossy: bool = True):
         out.append((candidate, changes))
         if config.spec.placement != "offload":
             continue
-        roles, lean, steps = set(_roles(candidate, adapter)), candidate, []
+        roles, lean, steps = set(candidate.layer_roles(adapter)), candidate, []
         if not config.fetch_chunk and roles & {Role.COMPUTE, Role.FETCH_ALL}:
             steps = ["dense layers read from the tier", CHUNKED] if Role.COMPUTE in roles else [CHUNKED]
             lean = candidate.replace(fetch_chunk=PLANNED_FETCH_CHUNK, dense_layers_on_compute=False)

@@ -103,7 +103,7 @@ class InfiniGenCache(SessionCache):
         if max_length is not None and not 0 < max_length <= limit:
             raise ContextTooLongError(f"max_length {max_length} must be in [1, {limit}] (the model's context)")
         capacity = max_length or limit
-        roles = [config.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
+        roles = config.layer_roles(adapter)
         self.storage = Storage(
             config.tier,
             config.spec.fmt,

@@ -391,6 +391,11 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
             return Role.SELECT
         return Role.COMPUTE if self.dense_layers_on_compute else Role.FETCH_ALL
 
+    def layer_roles(self, adapter) -> list[Role]:
+        """Every layer's role for a model (`adapter`: its layer count and which layers slide):
+        the one list the cache, the planner, the selectors and the evaluator act on."""
+        return [self.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
+
     def threads(self, current: int) -> int:
         """Intra-op threads for this config, given torch's `current` count: an offloading policy
         runs a prefetch thread (selection, gathers) beside the compute, which must not wait

@@ -360,8 +360,7 @@ class ForcedRunner:
         selector = session.selector_for(config)
         record = _Record(measure_recall=measure_recall and selector is not None)
         layers = []
-        for i in range(adapter.num_layers):
-            role = config.layer_role(i, local=adapter.is_local(i))
+        for i, role in enumerate(config.layer_roles(adapter)):
             if role.sliding:  # its window of the prefix, then the chunk
                 layers.append(ForcedLocalLayer(i, prefix, config, record, adapter.window(i), role))
                 continue

@@ -115,7 +115,7 @@ def resolve_measured(knobs, artifact, config: InfiniGenConfig):
 def selecting_layers(config: InfiniGenConfig, adapter) -> list[int]:
     """The layers whose rows the selector chooses (not dense, not sliding-window ones): the
     budget's and the channel count's means are over these."""
-    return [i for i in range(adapter.num_layers) if config.layer_role(i, adapter.is_local(i)) == Role.SELECT]
+    return [i for i, role in enumerate(config.layer_roles(adapter)) if role == Role.SELECT]
 
 
 def corrections_chosen(config: InfiniGenConfig, adapter, artifact) -> dict[int, float]:
