@@ -15,6 +15,13 @@ import torch
 GROWTH_MIN = 64  # positions added at least when a buffer grows
 
 
+def grown_size(have: int, need: int, limit: int | None = None) -> int:
+    """The one growth rule of every buffer that grows: room for `need` positions when `have` are
+    allocated, a quarter more than `have` (at least `GROWTH_MIN`), never beyond `limit`."""
+    size = max(need, have + max(have // 4, GROWTH_MIN))
+    return size if limit is None else max(need, min(size, limit))
+
+
 class GrowingTensor:
     """`dim` grows; every other dimension is fixed by the first append.
 
@@ -61,7 +68,7 @@ class GrowingTensor:
         end = self.length + n
         have = 0 if self._buf is None else self._buf.shape[self.dim]
         if end > have:
-            self.reserve(x, max(end, self.capacity, have + max(have // 4, GROWTH_MIN)))
+            self.reserve(x, max(self.capacity, grown_size(have, end)))
         self._buf.narrow(self.dim, self.length, n).copy_(x)
         self.length = end
         return self.data
