@@ -287,6 +287,28 @@ def test_block_cache_serves_repeated_blocks_from_ram(kv_dir, gather_path):
             assert (disk.cache.block_in >= 0).sum() <= slots
 
 
+def test_the_layout_places_every_record_once_and_never_across_a_block():
+    """`DiskLayout` is the one place the file's offsets are computed: records of one region
+    follow each other, regions start on block boundaries, no record straddles a block, and the
+    RAM tail holds the records after the last whole block."""
+    from infinigen.storage.layout import DiskLayout
+
+    lay = DiskLayout(regions=3, row_bytes=200, block=4096, capacity=40)
+    assert lay.record == 256 and lay.region_bytes == 3 * 4096 and lay.file_bytes == 9 * 4096
+    region, pos = np.repeat(np.arange(3), 40), np.tile(np.arange(40), 3)
+    offsets = lay.offsets(region, pos)
+    assert len(set(offsets.tolist())) == 120 and (offsets % lay.record == 0).all()
+    assert (offsets // lay.block == (offsets + lay.record - 1) // lay.block).all()
+    assert lay.offsets(2, 0) == 2 * lay.region_bytes and lay.offsets(1, 3) == lay.region_bytes + 3 * 256
+    assert lay.tail_start(20) == 4096 and lay.tail_position(20) == 16
+    tail = lay.tail_offsets(region, pos, 20)
+    assert (tail[pos < 16] == -1).all()
+    assert (tail[pos >= 16] == (region * 4096 + (pos - 16) * 256)[pos >= 16]).all()
+    assert lay.span(3, 17) == (0, 2 * 4096) and lay.range_piece(3 * 4096) == 32
+    wide = DiskLayout(regions=2, row_bytes=5000, block=4096, capacity=4)  # records of whole blocks
+    assert wide.whole_blocks and wide.record == 8192 and wide.tail_start(3) == 3 * 8192
+
+
 def test_c_and_python_gathers_read_the_same_bytes(kv_dir, monkeypatch):
     """Same rows, same bytes, same reads and the same cache state, step after step."""
     from infinigen import kernels
@@ -539,12 +561,12 @@ def test_a_large_gather_reads_in_bounded_chunks_and_is_still_bit_identical(kv_di
     assert buffer_chunked < buffer_all
 
 
-def _counting(read_chunk, calls: list[tuple[int, int]]):
-    """`read_chunk`, noting the rows and the bytes each call reads."""
+def _counting(read_round, calls: list[tuple[int, int]]):
+    """`read_round`, noting the rows and the bytes each call reads."""
 
-    def counted(region, pos, tail_pos, rows):
-        got = read_chunk(region, pos, tail_pos, rows)
-        calls.append((len(pos), got[0]))
+    def counted(offsets, tail_at, rows):
+        got = read_round(offsets, tail_at, rows)
+        calls.append((len(offsets), got[0]))
         return got
 
     return counted
@@ -564,7 +586,7 @@ def test_rounds_of_reads_hold_their_blocks_within_read_chunk(kv_dir, gather_path
         with disk:
             _append_both(ram, disk, PREFILL, gen)  # 300 positions: 18 whole blocks on disk, the tail in RAM
             calls: list[tuple[int, int]] = []
-            monkeypatch.setattr(disk, "_read_chunk", _counting(disk._read_chunk, calls))
+            monkeypatch.setattr(disk.reader, "_round", _counting(disk.reader._round, calls))
             if pages:  # blocks 0-3 and 10-13, whole: two rounds of four blocks
                 pos = torch.cat([torch.arange(0, 64), torch.arange(160, 224)]).view(1, 1, -1)
                 idx, valid = pos, torch.ones_like(pos, dtype=torch.bool)

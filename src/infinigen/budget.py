@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -36,7 +35,7 @@ from infinigen.memory import PARTS, dense_kv_bytes, format_bytes
 from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
 from infinigen.storage import rows_dtype
-from infinigen.storage.disk import STAGE_KEEP, block_size, default_directory, range_piece, record_bytes
+from infinigen.storage.disk import DiskTier
 
 # The fewest positions per read when a plan chunks every-row reads (128 KiB a region at d = 64).
 PLANNED_FETCH_CHUNK = 512
@@ -142,27 +141,23 @@ def transfer_rows(config, adapter, selector, positions: int) -> TransferRows:
 def _disk_parts(
     parts, config, request: Request, hkv: int, d: int, kv_dtype, layers: list[int], rows: int, span: int
 ) -> None:
-    """The disk tier's RAM: block cache (and its maps), tails, the shared read and staging buffers.
-    `span`: the most positions of one region a step's range read takes (0: no layer reads a range)."""
-    regions = request.batch * hkv
-    blk = block_size(Path(config.kv_dir) if config.kv_dir else default_directory())
-    record = record_bytes(2 * d * _itemsize(kv_dtype), blk)
-    region_blocks = -(-request.positions * record // blk)
-    slots = math.ceil(config.block_cache * regions * region_blocks) if config.block_cache > 0 else 0
-    for _ in layers:
-        if slots:
-            parts["block_cache"] += slots * blk
-            parts["metadata"] += regions * region_blocks * 8 + slots * 9 + 8  # maps: block->slot, slot->block, refs
-        parts["tier_buffers"] += regions * blk  # the unwritten tail block of every region
-    # reads go a few regions (or a run of one region's rows) at a time through one buffer of about read_chunk
-    layer = regions * min(region_blocks, rows) * blk
-    read = min(layer, config.read_chunk_bytes)
-    if span:  # a range read (every row, a chunk of them, a window) takes a region's span, in pieces
-        piece = min(span, range_piece(config.read_chunk_bytes, blk, record))
-        read = max(read, (-(-piece * record // blk) + 1) * blk)
-    parts["tier_buffers"] += max(2 * read, 1 << 16)  # grown by doubling
-    chunk = regions * -(-min(request.positions, PREFILL_CHUNK) * record // blk) * blk
-    parts["tier_buffers"] += chunk if chunk <= STAGE_KEEP else 0  # a prefill chunk's staging, kept if small
+    """The disk tier's RAM, as the tier plans it (`DiskTier.planned_bytes`): block cache (and its
+    maps), tails, the shared read and staging buffers. `span`: the most positions of one region a
+    step's range read takes (0: no layer reads a range)."""
+    planned = DiskTier.planned_bytes(
+        regions=request.batch * hkv,
+        row_bytes=2 * d * _itemsize(kv_dtype),
+        positions=request.positions,
+        layers=len(layers),
+        block_cache=config.block_cache,
+        read_chunk=config.read_chunk_bytes,
+        span=span,
+        rows=rows,
+        appended=min(request.positions, PREFILL_CHUNK),  # a prefill chunk's staging
+        directory=config.kv_dir,
+    )
+    for part, nbytes in planned.items():
+        parts[part] += nbytes
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ig_aio_destroy.restype = None
     lib.ig_aio_destroy.argtypes = [u64]
     lib.ig_gather_rows.restype = i64
-    lib.ig_gather_rows.argtypes = [cint, i64, i64, i64, i64, p, p, i64, p, p, i64, p, p, p, p, i64, i64, u64]
+    # fd, block, record, rows, file offsets, tail offsets, tails; the block cache; gap, request, AIO context;
+    # the read buffer and its size, two work arrays, the rows out, the counters out
+    lib.ig_gather_rows.argtypes = [cint, i64, i64, i64, p, p, p, p, i64, p, p, p, p, i64, i64, u64]
     lib.ig_gather_rows.argtypes += [p, i64, p, p, p, p]
 
 

@@ -5,8 +5,10 @@
  * into an output array. It runs without the Python interpreter lock, so the compute thread
  * goes on while it waits for the disk.
  *
- * It does exactly what infinigen.storage.disk.DiskTier does in Python (the fallback, which the
- * tests hold it to), with the same run merging and the same cache policy.
+ * It does exactly what infinigen.storage.disk_read.DiskReader does in Python (the fallback, which
+ * the tests hold it to), with the same run merging and the same cache policy. Where each record
+ * sits (in the file, or in the RAM tails) is computed by the file's layout
+ * (infinigen.storage.layout.DiskLayout) and handed in: this file knows no layout.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -121,21 +123,21 @@ static int64_t clock_victim(int64_t slots, uint8_t *ref, int64_t *hand) {
     return -1;
 }
 
-/* Records [m][rec] of positions (region[i], pos[i]), sorted ascending by file offset.
+/* Records [m][rec]: row i is the record at file offset offs[i], or, where tail_at[i] >= 0, the
+   one at byte tail_at[i] of the RAM tails (the caller computes both from the file's layout).
+   The rows on disk come sorted ascending by file offset.
    Returns 0; a positive buffer size when `buf` is too small (nothing was done); or -errno. */
-int64_t ig_gather_rows(int fd, int64_t blk, int64_t region_bytes, int64_t rec, int64_t m,
-                       const int64_t *region, const int64_t *pos, int64_t tail_pos, const uint8_t *tails,
-                       uint8_t *cache_data, int64_t slots, int64_t *slot_of, int64_t *block_in, uint8_t *ref,
-                       int64_t *hand, int64_t gap, int64_t max_request, uint64_t ctx, uint8_t *buf,
-                       int64_t buf_size, int64_t *blocks /* [m] work */, int64_t *where /* [m] work */,
-                       uint8_t *rows, int64_t *stats) {
+int64_t ig_gather_rows(int fd, int64_t blk, int64_t rec, int64_t m, const int64_t *offs, const int64_t *tail_at,
+                       const uint8_t *tails, uint8_t *cache_data, int64_t slots, int64_t *slot_of,
+                       int64_t *block_in, uint8_t *ref, int64_t *hand, int64_t gap, int64_t max_request,
+                       uint64_t ctx, uint8_t *buf, int64_t buf_size, int64_t *blocks /* [m] work */,
+                       int64_t *where /* [m] work */, uint8_t *rows, int64_t *stats) {
     for (int i = 0; i < 5; i++) stats[i] = 0;
     /* 1. the distinct disk blocks, and where each is found: cache slot, or offset in buf */
     int64_t nb = 0, last = -1;
     for (int64_t i = 0; i < m; i++) {
-        if (pos[i] >= tail_pos) continue;
-        const int64_t off = region[i] * region_bytes + pos[i] * rec;
-        const int64_t b = off / blk;
+        if (tail_at[i] >= 0) continue;
+        const int64_t b = offs[i] / blk;
         if (b < last) return -EINVAL; /* not sorted by file offset */
         if (b != last) { blocks[nb++] = b; last = b; }
     }
@@ -209,11 +211,11 @@ int64_t ig_gather_rows(int fd, int64_t blk, int64_t region_bytes, int64_t rec, i
     last = -1;
     for (int64_t i = 0; i < m; i++) {
         const uint8_t *src;
-        if (pos[i] >= tail_pos) {
-            src = tails + region[i] * blk + (pos[i] - tail_pos) * rec;
+        if (tail_at[i] >= 0) {
+            src = tails + tail_at[i];
             stats[STAT_RAM_ROWS]++;
         } else {
-            const int64_t off = region[i] * region_bytes + pos[i] * rec;
+            const int64_t off = offs[i];
             const int64_t b = off / blk;
             if (b != last) { j++; last = b; }
             if (where[j] < 0) {

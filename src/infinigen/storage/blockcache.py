@@ -1,15 +1,15 @@
 """RAM copies of the disk blocks a tier reads most: a cache in front of the disk, never lossy.
 
 Decode steps select largely the same positions as the step before (recent tokens, sinks, heavy
-hitters): on SmolLM2-135M at 8K, about three quarters of the 4 KiB blocks a layer reads were
-also read the step before. On this class of disk a read costs mostly per request, so keeping
-those blocks in RAM removes most requests. Every block stays on disk; a copy is only dropped to
+hitters), so most of the blocks a layer reads were also read the step before. A read from a
+solid-state disk costs mostly per request, not per byte, so keeping those blocks in RAM removes
+most requests. Every block stays on disk; a copy is only dropped to
 make room for another, by CLOCK (second chance: a slot used since the hand last passed is
 skipped once), which approximates least-recently-used in O(1) per admission. Unlike the capped
 host pool (`storage.pool`), no position is ever lost.
 
 The state is plain arrays so that the C gather (`infinigen/kernels/gather.c`) and the Python
-one (`DiskTier`) run the very same policy on it.
+one (`storage.disk_read.DiskReader`) run the very same policy on it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ class BlockCache:
         self.block_in = np.full(slots, -1, dtype=np.int64)  # slot -> block, -1 when free
         self.ref = np.zeros(slots, dtype=np.uint8)
         self.hand = np.zeros(1, dtype=np.int64)
+
+    @staticmethod
+    def planned_bytes(slots: int, block_size: int, file_blocks: int) -> tuple[int, int]:
+        """(`nbytes`, `maps_nbytes`) of a cache of `slots` slots for a file of `file_blocks` blocks."""
+        maps = file_blocks * 8 + slots * 8 + slots + 8  # block -> slot, slot -> block, ref, hand
+        return slots * block_size, maps
 
     @property
     def nbytes(self) -> int:
