@@ -150,7 +150,10 @@ def _filled_tier(dtype: torch.dtype = torch.float32) -> tuple[Int4RamTier, torch
     torch.manual_seed(4)
     b, h, d = 2, 3, 64
     k1, v1 = torch.randn(b, h, 5, d).to(dtype), torch.randn(b, h, 5, d).to(dtype)
-    k2, v2 = torch.randn(b, h, 300, d).to(dtype), torch.randn(b, h, 300, d).to(dtype)  # forces growth past 256
+    k2, v2 = (
+        torch.randn(b, h, 300, d).to(dtype),
+        torch.randn(b, h, 300, d).to(dtype),
+    )  # past the first room (64 positions): grows
     stats = TransferStats()
     tier = Int4RamTier(b, h, d, dtype, stats)
     tier.append(k1, v1)
@@ -206,3 +209,18 @@ def test_tier_errors():
         tier.append(torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64))
     with pytest.raises(ValueError, match="tier holds"):
         tier.append(torch.randn(2, 3, 1, 32), torch.randn(2, 3, 1, 32))
+
+
+def test_the_tier_grows_by_the_one_growth_rule():
+    """Room for at least 64 positions, then a quarter more each time it fills (`grown_size`),
+    not double: the room beyond what is held stays small."""
+    from infinigen.growing import grown_size
+
+    tier = Int4RamTier(1, 2, 64, torch.float16, TransferStats())
+    assert tier.stored_bytes() == 0  # nothing allocated before the first append
+    room, rows = 0, 2 * tier.row_bytes  # bytes of one position of both KV heads
+    for n in (5, 100, 1, 1, 50):
+        if tier.length + n > room:
+            room = grown_size(room, tier.length + n)
+        tier.append(torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64))
+        assert tier.stored_bytes() == room * rows

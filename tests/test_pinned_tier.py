@@ -38,6 +38,27 @@ def _pair_against_ram(engine, device, delay_rows: int = 300):
     return g, ram, pin
 
 
+def test_host_tiers_grow_by_the_one_growth_rule():
+    """The RAM and pinned tiers, given no capacity, make room for at least 64 positions and then
+    a quarter more each time they fill (`grown_size`), not double."""
+    from infinigen.growing import grown_size
+
+    engine = ThreadCopyEngine(delay=0.0)
+    tiers = [
+        RamTier(1, 2, 8, torch.float16, TransferStats()),
+        PinnedTier(1, 2, 8, torch.float16, TransferStats(), engine),
+    ]
+    room = 0
+    for n in (3, 70, 1, 1, 30):
+        if tiers[0].length + n > room:
+            room = grown_size(room, tiers[0].length + n)
+        for tier in tiers:
+            tier.append(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8))
+            assert tier.stored_bytes() == room * 2 * tier.row_bytes
+    tiers[1].close()
+    engine.close()
+
+
 def _check_against_ram(engine, device):
     """Appends, gathers into reused buffers, and full reads: equal to the RAM tier, bit for bit."""
     g, ram, pin = _pair_against_ram(engine, device)

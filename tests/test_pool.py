@@ -347,3 +347,18 @@ def test_pooled_tier_stores_what_the_pool_places_and_refuses_what_it_evicted():
         )
     with pytest.raises(RuntimeError, match="evicted"):
         tier.read_all(5, torch.device("cpu"), torch.float32)
+
+
+def test_the_slot_map_grows_by_the_one_growth_rule():
+    """The map from positions to slots makes room a quarter more at a time (`grown_size`), not
+    double, so the pool's metadata stays close to the positions admitted."""
+    from infinigen.growing import grown_size
+
+    pool = HostPool(1, 2, 16)
+    room = 64  # the map's first room
+    fixed = pool.nbytes - 2 * room * 8  # the slot arrays, sized by the capacity
+    for n in (10, 90, 1, 40, 200):
+        if pool.length + n > room:
+            room = grown_size(room, pool.length + n)
+        pool.admit(n)
+        assert pool.nbytes == fixed + 2 * room * 8

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from infinigen.growing import grown_size
 from infinigen.storage.base import KVTier, TransferStats, copy_prefix, rows_dtype, scatter_rows
 
 LEVELS = 16
@@ -126,7 +127,7 @@ class Int4RamTier(KVTier):
         cap = self._kq.shape[2]
         if need <= cap:
             return
-        new_cap = max(need, 2 * cap, 256)
+        new_cap = grown_size(cap, need)
         n = self.length
         new_k, new_v = self._alloc(new_cap), self._alloc(new_cap)
         for new, old in zip(new_k + new_v, (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz)):

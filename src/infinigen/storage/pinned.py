@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from infinigen.growing import grown_size
 from infinigen.storage.base import KVTier, TransferStats, prefix_views
 from infinigen.storage.copyengine import CopyEngine
 
@@ -63,7 +64,7 @@ class PinnedTier(KVTier):
         if need <= cap:
             return
         self._host_ready()
-        new_cap = max(need, 2 * cap, 256)
+        new_cap = grown_size(cap, need)
         k = self.engine.host_empty((self.batch, self.kv_heads, new_cap, self.head_dim), self.dtype)
         v = self.engine.host_empty((self.batch, self.kv_heads, new_cap, self.head_dim), self.dtype)
         k[:, :, : self.length] = self._k[:, :, : self.length]

@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from infinigen.growing import grown_size
 from infinigen.storage.base import TransferStats
 from infinigen.storage.ram import RamTier
 
@@ -231,7 +232,7 @@ class HostPool:
         have = self._slot_of.shape[2]
         if need <= have:
             return
-        grown = torch.full((self.batch, self.kv_heads, max(need, 2 * have)), -1, dtype=torch.long)
+        grown = torch.full((self.batch, self.kv_heads, grown_size(have, need)), -1, dtype=torch.long)
         grown[:, :, :have] = self._slot_of
         self._slot_of = grown
 

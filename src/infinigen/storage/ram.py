@@ -7,17 +7,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from infinigen.growing import grown_size
 from infinigen.storage.base import KVTier, TransferStats, copy_prefix, scatter_rows
 
 # Sequential reads (every row, or a chunk of it) are copied here, off the thread that asks: the
 # stand-in for a copy engine moving host memory while the compute goes on, so that a layer read in
-# chunks attends one chunk while the next is copied (on the compute thread the copies took a fifth
-# of full fetch's step at batch 8, 8K). One thread for every RAM tier: the reads keep their order.
+# chunks attends one chunk while the next is copied (on the compute thread, the copies of a long
+# context would add to every step). One thread for every RAM tier: the reads keep their order.
 _COPIES = ThreadPoolExecutor(1, thread_name_prefix="infinigen-ram-copy")
 
 
 class RamTier(KVTier):
-    """One layer's K and V in host memory, grown by doubling."""
+    """One layer's K and V in host memory, grown by the one growth rule (`growing.grown_size`)."""
 
     def __init__(
         self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, stats: TransferStats, capacity: int = 0
@@ -34,7 +35,7 @@ class RamTier(KVTier):
         cap = self._k.shape[2]
         if need <= cap:
             return
-        new_cap = max(need, 2 * cap, 256)
+        new_cap = grown_size(cap, need)
         k = torch.empty(self.batch, self.kv_heads, new_cap, self.head_dim, dtype=self.dtype)
         v = torch.empty_like(k)
         k[:, :, : self.length] = self._k[:, :, : self.length]
