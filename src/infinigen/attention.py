@@ -8,6 +8,7 @@ how to attend. Without one (a plain cache inside a session) this is ordinary sdp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -51,8 +52,8 @@ def attention_scaling(query: torch.Tensor, scaling: float | None) -> float:
 
 
 # The most bytes of stored rows widened to fp32 at a time (`attend_stored`): a transient this size
-# lives during a layer's attention instead of a widened copy of all its rows. 512 KiB stays in a
-# core's L2: measured the fastest of 256 KiB .. 2 MiB at batch 1 to 16.
+# lives during a layer's attention instead of a widened copy of all its rows. The size is one that
+# stays in a core's L2 cache (docs/results.md has the sizes compared).
 WIDEN_BYTES = 512 << 10
 
 
@@ -147,6 +148,44 @@ def merge(a: Part, b: Part) -> Part:
     wa, wb = torch.exp(a.lse - top), torch.exp(b.lse - top)
     total = wa + wb
     return Part((a.out * wa + b.out * wb) / total, top + torch.log(total))
+
+
+def attend_in_chunks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    first: tuple[torch.Tensor, torch.Tensor],
+    past: int,
+    chunk: int,
+    issue: Callable[[int, int, bool], Callable[[], tuple[torch.Tensor, torch.Tensor]]],
+    valid: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of one decode position over every past row, read `chunk` positions at a time,
+    and over itself: while one chunk is attended (as stored, `attend_part`) the next is read
+    into the other buffer, and each part is merged into the softmax carried from the new token
+    on (`merge`), so the result is exact, in fp32, with two chunks held instead of the layer.
+
+    query [B, H, 1, d]; key, value [B, Hkv, 1, d] the new token; `first`: the rows of positions
+    [0, chunk); `issue(start, stop, second)` starts the read of [start, stop) into the first or
+    second buffer and returns what waits for its rows; valid [B, Hkv, past] or None (every row).
+    Output [B, 1, H, d]."""
+    b, h, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, h // hkv, d).to(torch.float32) * scaling
+    carried = own_part(q, key, value)  # always attended: the carried softmax is finite
+    rows, start, second = first, 0, False
+    while start < past:
+        stop = min(start + chunk, past)
+        wait_next = None
+        if stop < past:  # the next chunk lands in the other buffer while this one is attended
+            second = not second
+            wait_next = issue(stop, min(stop + chunk, past), second)
+        carried = merge(carried, attend_part(q, rows, None if valid is None else valid[:, :, start:stop]))
+        if wait_next is not None:
+            rows = wait_next()
+        start = stop
+    return carried.out.to(query.dtype).reshape(b, 1, h, d)
 
 
 def key_validity(attention_mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

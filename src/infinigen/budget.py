@@ -31,11 +31,13 @@ from dataclasses import dataclass
 import torch
 
 from infinigen.errors import InputError
+from infinigen.layers import ComputeLayer, LocalLayer, Positions
 from infinigen.memory import PARTS, dense_kv_bytes, format_bytes
 from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
 from infinigen.storage import rows_dtype
 from infinigen.storage.disk import DiskTier
+from infinigen.transfer import RowBuffers
 
 # The fewest positions per read when a plan chunks every-row reads (128 KiB a region at d = 64).
 PLANNED_FETCH_CHUNK = 512
@@ -66,27 +68,25 @@ def estimate(config, adapter, selector, request: Request, compute_dtype: torch.d
     b, n = request.batch, request.positions
     hkv, d = adapter.num_kv_heads, adapter.head_dim
     kv_dtype = config.storage_dtype() or compute_dtype
-    compute_item = _itemsize(compute_dtype)
-    rows_item = _itemsize(rows_dtype(config.spec.fmt, kv_dtype, compute_dtype))  # a selection's rows
     parts = dict.fromkeys(PARTS, 0)
     roles = config.layer_roles(adapter)
     offloaded = [i for i, r in enumerate(roles) if r.offloaded]
-    whole_layer = b * hkv * n * d * 2 * _itemsize(kv_dtype)  # a layer kept whole, in the storage dtype
     for i, role in enumerate(roles):
         if role == Role.COMPUTE:
-            parts["dense_layers"] += whole_layer
+            parts["dense_layers"] += ComputeLayer.planned_bytes(b, hkv, n, d, kv_dtype)
         elif role == Role.LOCAL:
-            parts["local_layers"] += b * hkv * min(n, adapter.window(i) - 1) * d * 2 * _itemsize(kv_dtype)
+            parts["local_layers"] += LocalLayer.planned_bytes(b, hkv, n, d, kv_dtype, adapter.window(i))
         elif role == Role.SELECT and selector is not None:
             parts["speculation_state"] += selector.state_bytes(i, b, n, n, kv_dtype)  # reserved for n
     held = transfer_rows(config, adapter, selector, n)
-    pair = 2 * b * hkv * d  # elements of one row slot, K and V
-    # a pair per parity and kind, reserved for the most rows a step of that parity reads (transfer.RowBuffers)
-    parts["transfer_buffers"] = pair * (sum(held.stored) * rows_item + sum(held.whole) * compute_item)
+    # a layer read in chunks lands the next chunk in a second pair of its parity
     chunked = {i % 2 for i, r in enumerate(roles) if r == Role.FETCH_ALL} if config.fetch_chunk else set()
-    # a layer read in chunks lands the next chunk in a second pair of its parity (one chunk)
-    parts["transfer_buffers"] += len(chunked) * pair * min(config.fetch_chunk, n) * rows_item
-    parts["metadata"] = b * 2 * n  # which positions are real (bool), grown by doubling
+    second = tuple(min(config.fetch_chunk, n) if parity in chunked else 0 for parity in (0, 1))
+    rows = rows_dtype(config.spec.fmt, kv_dtype, compute_dtype)  # what a selection's rows are read back as
+    parts["transfer_buffers"] = RowBuffers.planned_bytes(
+        held.stored, held.whole, second, 2 * b * hkv * d, rows, compute_dtype
+    )
+    parts["metadata"] = Positions.planned_bytes(b, n)
     if offloaded and config.spec.placement == "offload" and config.tier == "disk" and config.spec.fmt != "int4":
         span = max((_range_read(config, adapter, i, r, n) for i, r in enumerate(roles)), default=0)
         _disk_parts(parts, config, request, hkv, d, kv_dtype, offloaded, held.most, span)

@@ -1,7 +1,7 @@
 """A selector bound to one layer: the calls of a decode step, spelled once.
 
 The runtime layer (`layers.OffloadedLayer`, one step at a time) and the forced evaluator
-(`eval.forced.ForcedLayer`, S teacher-forced steps replayed in order) make the same calls in the
+(`measure.forced.ForcedLayer`, S teacher-forced steps replayed in order) make the same calls in the
 same order (`Selector`'s docstring): the query from the input its `query_from` names, `select`,
 `append` of the step's key, `top_up` with the layer's own query, `observe` of the weights. Both go
 through this class, so a rule such as "an empty correction is no correction" or "the speculated
@@ -48,6 +48,17 @@ class LayerSelector:
             return None
         xf = x if x.dtype == torch.float32 else x.to(torch.float32)
         return self.selector.query(self.index, xf, position_embeddings)
+
+    def last_query(self, x: torch.Tensor, position_embeddings, device) -> torch.Tensor | None:
+        """The last position's query `select` takes [B, H, d], from an input that may come from
+        the previous layer's device; None if it takes none."""
+        if self.selector.query_from is None:
+            return None
+        if x.device != device:  # the previous layer computes on another device
+            x = x.to(device)
+            if position_embeddings is not None:
+                position_embeddings = tuple(t.to(device) for t in position_embeddings)
+        return self.query(x, position_embeddings)[:, :, -1]
 
     def select(self, query: torch.Tensor | None, past: int, valid: torch.Tensor) -> Selection:
         """The positions of [0, past) the coming step attends (query [B, H, d] or None)."""

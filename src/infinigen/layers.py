@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,14 +28,13 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from infinigen.attention import (
-    attend_part,
+    attend_in_chunks,
     attend_stored,
     attention_scaling,
     dense_attention,
     key_validity,
-    merge,
-    own_part,
 )
+from infinigen.growing import grown_size
 from infinigen.layer_selector import LayerSelector, with_top_up
 from infinigen.roles import Role
 from infinigen.select import Selector
@@ -73,6 +73,12 @@ class Positions:
     def nbytes(self) -> int:
         return 0 if self._valid is None else self._valid.nbytes
 
+    @staticmethod
+    def planned_bytes(batch: int, positions: int) -> int:
+        """The most it holds for a generation reaching `positions`: one bool a position, grown
+        by the one rule from wherever it stood."""
+        return batch * grown_size(positions - 1, positions)
+
     def upto(self, batch: int, length: int, device) -> torch.Tensor:
         """[B, length] bool: the real tokens among the first `length` positions."""
         self._grow(batch, length, device)
@@ -83,7 +89,7 @@ class Positions:
         if self._valid is not None and self._valid.shape[0] != batch:
             raise ValueError(f"the cache holds a batch of {self._valid.shape[0]}, got {batch}")
         if length > have:
-            grown = torch.ones(batch, max(length, 2 * have), dtype=torch.bool, device=device)
+            grown = torch.ones(batch, grown_size(have, length), dtype=torch.bool, device=device)
             if self._valid is not None:
                 grown[:, :have] = self._valid
             self._valid = grown
@@ -131,8 +137,8 @@ def _widened(stored: torch.Tensor, new: torch.Tensor, past: int) -> torch.Tensor
 
 
 class ComputeLayer(SessionLayer):
-    """A layer whose whole KV stays with the compute: a preallocated buffer grown by doubling
-    (never past `capacity`), written in place, so a decode step copies nothing it already holds.
+    """A layer whose whole KV stays with the compute: a preallocated buffer grown by the one
+    growth rule (`growing.grown_size`, never past `capacity`), written in place, so a decode step copies nothing it already holds.
 
     Stored in `store_dtype` when given (the KV's storage dtype: 16 bits where the model computes
     in float32, half the bytes kept), a decode step of a session's forward attends the past as
@@ -170,7 +176,7 @@ class ComputeLayer(SessionLayer):
             if have == 0:
                 size = max(end, self.capacity) if self.reserve else end
             else:
-                size = max(end, min(2 * have, self.capacity))
+                size = grown_size(have, end, self.capacity)
             dtype = self.store_dtype or key_states.dtype
             k = key_states.new_empty(*key_states.shape[:2], size, key_states.shape[3], dtype=dtype)
             v = value_states.new_empty(*value_states.shape[:2], size, value_states.shape[3], dtype=dtype)
@@ -189,8 +195,8 @@ class ComputeLayer(SessionLayer):
             self._new = (key_states, value_states)
             return self._k[:, :, :past], self._v[:, :, :past]
         # the past as stored, widened; the new positions as computed (as an offloaded layer attends),
-        # each written once into the step's tensors (a widened copy then a concatenation moved
-        # the past twice: a seventh of a batch-8 step at 8K went to it)
+        # each written once into the step's tensors (a widened copy, then a concatenation, would
+        # move the past twice)
         return _widened(self._k, key_states, past), _widened(self._v, value_states, past)
 
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -201,6 +207,11 @@ class ComputeLayer(SessionLayer):
                 key, value = _widened(key, new[0], key.shape[2]), _widened(value, new[1], value.shape[2])
             return super().attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         return attend_stored(query, (key, value), valid, new, attention_scaling(query, scaling))[0], None
+
+    @staticmethod
+    def planned_bytes(batch: int, kv_heads: int, positions: int, head_dim: int, dtype: torch.dtype) -> int:
+        """What it holds for a generation reaching `positions` (the cache reserves them all)."""
+        return 2 * batch * kv_heads * positions * head_dim * dtype.itemsize
 
     def held_bytes(self) -> int:
         """Its preallocated buffers (room to grow included)."""
@@ -266,6 +277,11 @@ class LocalLayer(SessionLayer):
     def get_max_length(self) -> int:
         return self.window
 
+    @staticmethod
+    def planned_bytes(batch: int, kv_heads: int, positions: int, head_dim: int, dtype: torch.dtype, window: int) -> int:
+        """The most it holds for a generation reaching `positions`: its window."""
+        return 2 * batch * kv_heads * min(positions, window - 1) * head_dim * dtype.itemsize
+
     def held_bytes(self) -> int:
         """The window it holds now."""
         return sum(t.nbytes for t in (self.keys, self.values) if t is not None)
@@ -278,7 +294,7 @@ class LocalLayer(SessionLayer):
 # ---------------------------------------------------------------------- offloaded layers
 class AttendObserver(Protocol):
     """Something that watches each decode step of a selecting layer — evaluation's recall
-    (`infinigen.eval.recall`). The runtime only calls it, and only when one is set: what it
+    (`infinigen.measure.recall`). The runtime only calls it, and only when one is set: what it
     measures costs the decode path nothing otherwise."""
 
     def on_attend(
@@ -324,11 +340,41 @@ class Shared:
     observer: AttendObserver | None = None
     fetch_chunk: int = 0  # a layer that reads every row reads this many positions at a time (0: all at once)
 
+    def valid(self, tier: KVTier, past: int, device) -> torch.Tensor:
+        """[B, Hkv, past]: the positions of `tier` that exist for each KV head (real, still
+        stored); `all_valid` when every one does (no padding, no capped pool), which costs nothing."""
+        b, hkv = tier.batch, tier.kv_heads
+        present = tier.present(past)
+        if present is None and not self.positions.padded:
+            return all_valid(b, hkv, past, device)
+        valid = self.positions.upto(b, past, device)[:, None, :].expand(b, hkv, past)
+        return valid if present is None else valid & present.to(valid.device)
+
+    def context(self, batch: int, past: int, device) -> int | torch.Tensor:
+        """The real context a fetched fraction is of: `past`, or [B] real tokens when some are padding."""
+        if not self.positions.padded:
+            return past
+        return self.positions.upto(batch, past, device).sum(-1)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a decode step's `update` hands to its `attend`: the function that attends (given the
+    step, the query, the key and value `update` returned, and the scaling), the positions before
+    the step, the rows read back for it, the selection they hold (None: a range of rows) and the
+    step's own K and V as computed, attended beside the rows."""
+
+    attend: Callable[..., torch.Tensor]
+    past: int
+    rows: Rows | None = None
+    selection: Selection | None = None
+    new: Rows | None = None
+
 
 class OffloadedLayer(SessionLayer):
-    """A layer whose whole KV lives in a slow tier (see the module docstring). State: its tier
-    (made at the first update), its length, the selector's memory of it, the transfer in flight
-    and the selection the current step attends."""
+    """A layer whose whole KV lives in a slow tier (see the module docstring). A decode step is
+    four verbs: `issue` its transfer (one layer ahead when it can), `update` (wait for the rows,
+    append the new KV, hand `attend` a `Step`), and `attend`."""
 
     def __init__(self, settings: OffloadSettings, shared: Shared, selector: Selector | None = None) -> None:
         super().__init__()
@@ -339,9 +385,7 @@ class OffloadedLayer(SessionLayer):
         self.length = 0
         self.record = Recorder(settings.index, shared.counters)
         self._transfer: Transfer | None = None
-        self._selection: Selection | None = None  # what the current step attends
-        self._new: Rows | None = None  # a decode step's own K and V, as computed (attended beside the rows)
-        self._first_chunk: tuple[Fetched, int] | None = None  # read in chunks: the first, and the past
+        self._step: Step | None = None  # None: the model's own attention over what `update` returned
 
     @property
     def index(self) -> int:
@@ -360,21 +404,21 @@ class OffloadedLayer(SessionLayer):
         """This layer's input arrived: issue what nobody issued ahead (layer 0, or a selector
         that needs this layer's own query)."""
         if self._decoding(x) and self._transfer is None:
-            self._issue(x, position_embeddings, issued_at=self.index)
+            self.issue(x, position_embeddings, issued_at=self.index)
 
     def previous_input(self, x: torch.Tensor, position_embeddings) -> None:
         """The previous layer's input arrived: issue this layer's transfer now, so that it runs
         while the previous layer computes — unless the selector needs this layer's own query."""
         own_query = self.selecting is not None and self.selecting.query_from == "own"
         if self._decoding(x) and self._transfer is None and not own_query:
-            self._issue(x, position_embeddings, issued_at=self.index - 1)
+            self.issue(x, position_embeddings, issued_at=self.index - 1)
 
     def _decoding(self, x: torch.Tensor) -> bool:
         return x.shape[1] == 1 and self.length > 0 and self.tier is not None
 
     # ------------------------------------------------------------------ issue
     @torch.no_grad()
-    def _issue(self, x: torch.Tensor, position_embeddings, issued_at: int) -> None:
+    def issue(self, x: torch.Tensor, position_embeddings, issued_at: int) -> None:
         """Start this layer's transfer for the coming step. Issued ahead (from the previous
         layer's input), the selection and the fetch run on the cache's prefetch thread while the
         compute thread goes on with the previous layer; issued at the layer itself, they run now."""
@@ -383,37 +427,27 @@ class OffloadedLayer(SessionLayer):
             self._transfer = self._every_row_step(past, issued_at)
             self.record.issued(issued_at, past, None)
             return
-        plan = functools.partial(self._select_and_fetch, x, position_embeddings, past, self._valid(past), issued_at)
+        valid = self.shared.valid(self.tier, past, self.device)
+        plan = functools.partial(self._select_and_fetch, x, position_embeddings, past, valid, issued_at)
         self._transfer = Transfer.issue(plan, issued_at, self.shared.prefetch if issued_at < self.index else None)
 
     @torch.no_grad()
     def _select_and_fetch(self, x: torch.Tensor, position_embeddings, past: int, valid: torch.Tensor, issued_at: int):
         """Ask the selector, then start the gather of its rows into this layer's buffers."""
         start = time.perf_counter()
-        selection = self.selecting.select(self._query(x, position_embeddings), past, valid)
+        selection = self.selecting.select(self.selecting.last_query(x, position_embeddings, self.device), past, valid)
         self.record.speculated(time.perf_counter() - start)
         self.record.issued(issued_at, past, selection)
         out = self._room(selection.indices.shape[2])
         rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self._rows_dtype, out=out)
         # The compute thread waits on `rows` (a device transfer orders that thread's stream).
-        return Planned(rows, selection, float(fetched_fraction(selection, self._context(past))))
-
-    def _query(self, x: torch.Tensor, position_embeddings) -> torch.Tensor | None:
-        """The last position's query the selector takes [B, H, d], from an input that may come
-        from the previous layer's device."""
-        if self.selecting.query_from is None:
-            return None
-        if x.device != self.device:  # the previous layer computes on another device
-            x = x.to(self.device)
-            if position_embeddings is not None:
-                position_embeddings = tuple(t.to(self.device) for t in position_embeddings)
-        return self.selecting.query(x, position_embeddings)[:, :, -1]
+        context = self.shared.context(self.tier.batch, past, self.device)
+        return Planned(rows, selection, float(fetched_fraction(selection, context)))
 
     @property
     def _rows_dtype(self) -> torch.dtype:
         """What a selection's rows, or a chunk of every row, are read back as: the tier's own
-        dtype (16 bits for 16-bit KV), widened a slice at a time while attended
-        (`attention.attend_stored`, `_attend_chunks`)."""
+        dtype (16 bits for 16-bit KV), widened a slice at a time while attended."""
         return self.tier.rows_dtype(self.dtype)
 
     def _room(self, rows: int, second: bool = False, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,34 +458,22 @@ class OffloadedLayer(SessionLayer):
 
     def _every_row_step(self, past: int, issued_at: int) -> Transfer:
         """A decode step's read of every row: the whole past at once, or its first chunk when
-        the layer reads in chunks (the others are read while it attends, `_attend_chunks`)."""
+        the layer reads in chunks (the others are read while it attends)."""
         chunk = self.shared.fetch_chunk
         if chunk <= 0:
             return Transfer.every_row(
                 self.tier, past, self.device, self.dtype, self._room(past + 1, whole=True), issued_at
             )
-        stop = min(chunk, past)
-        return Transfer.chunk(self.tier, 0, stop, self.device, self._rows_dtype, self._room(stop), issued_at)
+        return self._chunk(0, min(chunk, past), issued_at)
+
+    def _chunk(self, start: int, stop: int, issued_at: int, second: bool = False) -> Transfer:
+        """The read of positions [start, stop) into the first or second pair of buffers."""
+        out = self._room(stop - start, second)
+        return Transfer.chunk(self.tier, start, stop, self.device, self._rows_dtype, out, issued_at)
 
     def _prefill_read(self, past: int) -> Transfer:
         """What a prefill chunk after the first attends of the past: every row, in the compute dtype."""
         return Transfer.every_row(self.tier, past, self.device, self.dtype, None, self.index)
-
-    def _valid(self, past: int) -> torch.Tensor:
-        """[B, Hkv, past]: the positions that exist for each KV head (real, still stored);
-        `all_valid` when every one does (no padding, no capped pool), which costs nothing."""
-        b, hkv = self.tier.batch, self.tier.kv_heads
-        present = self.tier.present(past)
-        if present is None and not self.shared.positions.padded:
-            return all_valid(b, hkv, past, self.device)
-        valid = self.shared.positions.upto(b, past, self.device)[:, None, :].expand(b, hkv, past)
-        return valid if present is None else valid & present.to(valid.device)
-
-    def _context(self, past: int) -> int | torch.Tensor:
-        """The real context a fraction is of: `past`, or [B] real tokens when some are padding."""
-        if not self.shared.positions.padded:
-            return past
-        return self.shared.positions.upto(self.tier.batch, past, self.device).sum(-1)
 
     # ------------------------------------------------------------------ transformers' layer API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -463,7 +485,7 @@ class OffloadedLayer(SessionLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
-        self._selection, self._first_chunk, self._new = None, None, None
+        self._step = None
         past = self.length
         fetched = self._wait(n)
         self._append(key_states, value_states)
@@ -475,14 +497,13 @@ class OffloadedLayer(SessionLayer):
         return self._decode_rows(fetched, past, key_states, value_states)
 
     def _decode_rows(self, fetched: Fetched, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """What a decode step's `update` returns, given its rows (see `update`)."""
-        if self.selecting is None and self.shared.fetch_chunk > 0:
-            self._first_chunk = (fetched, past)  # the rest is read while attending (`_attend_chunks`)
+        """What a decode step's `update` returns, given its rows, and the step `attend` takes."""
+        if self.selecting is None and self.shared.fetch_chunk > 0:  # the rest is read while attending
+            self._step = Step(self._attend_chunks, past, fetched.rows)
             return key_states, value_states
-        self._selection = fetched.selection
-        if self._selection is None:  # every row: the model's own attention over them and the new token
+        if fetched.selection is None:  # every row: the model's own attention over them and the new token
             return self._place(fetched.rows[0].shape[2], key_states, value_states)
-        self._new = (key_states, value_states)
+        self._step = Step(self._attend_selection, past, fetched.rows, fetched.selection, (key_states, value_states))
         return fetched.rows
 
     def _place(self, m: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -497,19 +518,18 @@ class OffloadedLayer(SessionLayer):
     def _wait(self, n: int) -> Fetched | None:
         """This step's rows: the transfer issued for it or, for a prefill chunk after the first
         (or a step nobody issued), a read of every row now. Waited on before the tier is
-        written: it is never written while read."""
+        written: it is never written while read. A prefill chunk reads the whole past once, into
+        tensors dropped after this layer, so the transfer buffers stay sized for a decode step."""
         past, transfer, self._transfer = self.length, self._transfer, None
         if past == 0:
             return None
         if n > 1 or transfer is None:
             if transfer is not None:
                 transfer.settle()
-            # A prefill chunk reads the whole past once, into tensors dropped after this layer: the
-            # transfer buffers stay sized for a decode step's rows, not grown to the context.
-            if n > 1:
-                transfer = self._prefill_read(past)
-            else:
-                transfer = self._every_row_step(past, self.index)
+            transfer = self._prefill_read(past) if n > 1 else self._every_row_step(past, self.index)
+        return self._waited(transfer)
+
+    def _waited(self, transfer: Transfer) -> Fetched:
         fetched = transfer.wait()
         self.record.waited(fetched.waited)
         return fetched
@@ -529,83 +549,56 @@ class OffloadedLayer(SessionLayer):
 
     # ------------------------------------------------------------------ attend
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        if self._first_chunk is not None:
-            return self._attend_chunks(query, key, value, attention_scaling(query, scaling)), None
-        if self._selection is None:  # the prefill, or every row read back: the model's own attention
-            if query.shape[2] > 1 and self.selecting is not None:  # the selector may want its weights
-                valid = self.shared.positions.upto(query.shape[0], key.shape[2], query.device)
-                self.selecting.prefill(PrefillAttention(query, key, valid, attention_scaling(query, scaling)))
-            return dense_attention(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-            )
-        scaling = attention_scaling(query, scaling)
-        key, value = self._top_up(query, key, value)
-        out = self._attend_selection(query, key, value, scaling)
-        self._notify(query, scaling)
-        return out, None
+        step, self._step = self._step, None
+        if step is not None:
+            return step.attend(step, query, key, value, attention_scaling(query, scaling)), None
+        # the prefill, or every row read back: the model's own attention
+        if query.shape[2] > 1 and self.selecting is not None:  # the selector may want its weights
+            valid = self.shared.positions.upto(query.shape[0], key.shape[2], query.device)
+            self.selecting.prefill(PrefillAttention(query, key, valid, attention_scaling(query, scaling)))
+        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
-    def _attend_chunks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
-        """Every row, read and attended a chunk at a time: while one chunk is attended the next
-        lands in the other buffer. Each chunk is attended as stored (`attend_part`) and
-        merged into the softmax carried from the new token on (`merge`), so the result
-        is attention over every row and the new token, in fp32, with two chunks held instead of
-        the whole layer.
+    def _attend_chunks(self, step: Step, query, key, value, scaling: float) -> torch.Tensor:
+        """Every row, read and attended a chunk at a time (`attention.attend_in_chunks`)."""
+        present = self.shared.valid(self.tier, step.past, self.device)
 
-        query [B, H, 1, d]; key, value [B, Hkv, 1, d]: the new token. Output [B, 1, H, d]."""
-        fetched, past = self._first_chunk
-        self._first_chunk = None
-        b, h, _, d = query.shape
-        hkv = key.shape[1]
-        q = query.reshape(b, hkv, h // hkv, d).to(torch.float32) * scaling
-        present = self._valid(past)
-        masked = not is_all_valid(present)
-        carried = own_part(q, key, value)  # always attended: the carried softmax is finite
-        rows, start, second = fetched.rows, 0, False
-        while start < past:
-            stop = min(start + self.shared.fetch_chunk, past)
-            later = None
-            if stop < past:  # the next chunk lands in the other buffer while this one is attended
-                second = not second
-                after = min(stop + self.shared.fetch_chunk, past)
-                out_rows = self._room(after - stop, second)
-                later = Transfer.chunk(self.tier, stop, after, self.device, self._rows_dtype, out_rows, self.index)
-            valid = present[:, :, start:stop] if masked else None
-            carried = merge(carried, attend_part(q, rows, valid))
-            if later is not None:
-                fetched = later.wait()
-                self.record.waited(fetched.waited)
-                rows = fetched.rows
-            start = stop
-        return carried.out.to(query.dtype).reshape(b, 1, h, d)
+        def issue(start: int, stop: int, second: bool):
+            transfer = self._chunk(start, stop, self.index, second)
+            return lambda: self._waited(transfer).rows
 
-    def _top_up(self, query, key, value):
+        valid = None if is_all_valid(present) else present
+        chunk = self.shared.fetch_chunk
+        return attend_in_chunks(query, key, value, scaling, step.rows, step.past, chunk, issue, valid)
+
+    def _attend_selection(self, step: Step, query, key, value, scaling: float) -> torch.Tensor:
+        """Softmax over the selected rows (and any top-up) and the current token; the selector
+        sees the weights if it looks at them (H2O accumulates them)."""
+        key, value, selection = self._top_up(query, key, value, step.selection)
+        observes = self.selecting.observes
+        out, probs = attend_stored(query, (key, value), selection.valid, step.new, scaling, weights=observes)
+        if observes:
+            p = probs[:, :, -1]
+            self.selecting.observe(selection, p[..., :-1], p[..., -1])
+        self._notify(query, selection, scaling)
+        return out
+
+    def _top_up(self, query, key, value, selection: Selection):
         """Speculate, then correct: the selector may add positions chosen with this layer's own
         query; they are fetched now (a second transfer, not overlapped: its time is the
         correction's), placed after the first transfer's rows, and attended with them."""
         past = self.length - 1
         start = time.perf_counter()
-        extra = self.selecting.top_up(query[:, :, -1], past, self._valid(past), self._selection)
+        extra = self.selecting.top_up(query[:, :, -1], past, self.shared.valid(self.tier, past, self.device), selection)
         if extra is None:
-            return key, value
+            return key, value, selection
         k_x, v_x = self.tier.gather_async(extra.indices, extra.valid, self.device, key.dtype).result()
-        key, value = torch.cat([key, k_x], 2), torch.cat([value, v_x], 2)
-        self._selection = with_top_up(self._selection, extra)
         rows = int(extra.valid.sum())
-        fraction = float(fetched_fraction(extra, self._context(past)))  # the step fetched these too
+        context = self.shared.context(self.tier.batch, past, self.device)
+        fraction = float(fetched_fraction(extra, context))  # the step fetched these too
         self.record.topped_up(rows, fraction, rows * self.tier.row_bytes, time.perf_counter() - start)
-        return key, value
+        return torch.cat([key, k_x], 2), torch.cat([value, v_x], 2), with_top_up(selection, extra)
 
-    def _attend_selection(self, query, key, value, scaling: float) -> torch.Tensor:
-        """Softmax over the selected rows and the current token; the selector sees the weights
-        if it looks at them (H2O accumulates them)."""
-        sel, observes = self._selection, self.selecting.observes
-        out, probs = attend_stored(query, (key, value), sel.valid, self._new, scaling, weights=observes)
-        if observes:
-            p = probs[:, :, -1]
-            self.selecting.observe(sel, p[..., :-1], p[..., -1])
-        return out
-
-    def _notify(self, query: torch.Tensor, scaling: float) -> None:
+    def _notify(self, query: torch.Tensor, selection: Selection, scaling: float) -> None:
         """Show the step to the observer, if one is set and the tier still holds every key."""
         observer = self.shared.observer
         if observer is None or self.tier.present(self.length) is not None:
@@ -613,7 +606,7 @@ class OffloadedLayer(SessionLayer):
         past = self.length - 1
         keys = self.tier.peek_all()[0][:, :, :past]
         real = self.shared.positions.upto(query.shape[0], past, query.device)
-        observer.on_attend(self.index, query, self._selection, keys, real, scaling)
+        observer.on_attend(self.index, query, selection, keys, real, scaling)
 
     # ------------------------------------------------------------------ release
     def close(self) -> None:
@@ -653,16 +646,11 @@ class WindowLayer(OffloadedLayer):
         if window < 1:
             raise ValueError(f"a sliding layer needs a window of at least 1 position, got {window}")
         self.window = window
-        self._window_step: tuple[Rows, int] | None = None  # a decode step's rows and the past before it
 
     get_mask_sizes = LocalLayer.get_mask_sizes
 
     def get_max_length(self) -> int:
         return self.window
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self._window_step = None
-        return super().update(key_states, value_states, *args, **kwargs)
 
     def _start(self, past: int) -> int:
         """The first position of the window a step with `past` positions before it attends."""
@@ -679,15 +667,9 @@ class WindowLayer(OffloadedLayer):
         return Transfer.chunk(self.tier, self._start(past), past, self.device, self.dtype, None, self.index)
 
     def _decode_rows(self, fetched: Fetched, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        self._window_step = (fetched.rows, past)
-        self._new = (key_states, value_states)
+        self._step = Step(self._attend_window, past, fetched.rows, new=(key_states, value_states))
         return key_states, value_states
 
-    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        step, self._window_step = self._window_step, None
-        if step is None:  # a prefill: the model's own attention under its sliding mask
-            return super().attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        rows, past = step
-        valid = self._valid(past)[:, :, self._start(past) : past]
-        new, self._new = self._new, None
-        return attend_stored(query, rows, valid, new, attention_scaling(query, scaling))[0], None
+    def _attend_window(self, step: Step, query, key, value, scaling: float) -> torch.Tensor:
+        valid = self.shared.valid(self.tier, step.past, self.device)[:, :, self._start(step.past) : step.past]
+        return attend_stored(query, step.rows, valid, step.new, scaling)[0]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinigen.growing import grown_size
 from infinigen.speculate import Selection
 from infinigen.storage import KVTier
 from infinigen.storage.base import done_future
@@ -106,7 +107,7 @@ class Transfer:
 
 class RowBuffers:
     """Where transfers land: [B, Hkv, >= rows, d] buffers, written once by the tier and grown by
-    doubling. Two kinds: a selection's rows (and a chunk of every row) in the dtype the tier
+    the one growth rule (`growing.grown_size`). Two kinds: a selection's rows (and a chunk of every row) in the dtype the tier
     stores them in, attended as they are and widened a slice at a time; and every row of a layer
     read whole (`whole`), in the compute dtype, followed by the new token, which the model's own
     attention takes. Layers of one cache share two pairs of each kind, by the parity of their
@@ -131,6 +132,21 @@ class RowBuffers:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self._pairs.values())
 
+    @staticmethod
+    def planned_bytes(
+        stored: tuple[int, int],
+        whole: tuple[int, int],
+        second: tuple[int, int],
+        slot: int,
+        rows_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+    ) -> int:
+        """What the buffers hold when reserved as planned: by parity, `stored` rows in the tier's
+        dtype, `whole` rows in the compute dtype, and `second`, the chunk a layer read in chunks
+        lands in its second pair; `slot`: the elements of one row slot, K and V."""
+        rows = sum(stored) + sum(second)
+        return slot * (rows * rows_dtype.itemsize + sum(whole) * compute_dtype.itemsize)
+
     def room(
         self, layer: int, like: KVTier, rows: int, dtype, device, second: bool = False, whole: bool = False
     ) -> Rows:
@@ -140,7 +156,7 @@ class RowBuffers:
         same_kind = pair is not None and pair[0].dtype == dtype and pair[0].shape[:2] == (like.batch, like.kv_heads)
         if not same_kind or rows > have:
             reserve = (self.reserve_whole if whole else self.reserve)[layer % 2]
-            size = max(rows, self.chunk) if second else max(rows, 2 * have if same_kind else reserve)
+            size = max(rows, self.chunk) if second else (grown_size(have, rows) if same_kind else max(rows, reserve))
             shape = (like.batch, like.kv_heads, size, like.head_dim)
             k = torch.zeros(shape, dtype=dtype, device=device)
             v = torch.zeros_like(k)
