@@ -25,9 +25,9 @@ from transformers import (
 
 from conftest import open_files_in, require_default_model
 from infinigen import ContextTooLongError, InfiniGenConfig, attach
-from infinigen.attach import UnsupportedGenerationError
 from infinigen.cache import CacheClosedError
 from infinigen.compat import CACHE_NAMES, cache_kwargs, cache_of
+from infinigen.generate_guard import UnsupportedGenerationError
 
 pytestmark = pytest.mark.compat  # CI runs these on the newest admitted transformers too
 

@@ -34,6 +34,7 @@ from infinigen.memory import MemoryReport, memory_report
 from infinigen.roles import Role
 from infinigen.select import Selector
 from infinigen.storage import Storage
+from infinigen.summary import summarize
 from infinigen.transfer import CacheCounters, RowBuffers
 
 HOW_TO_MAKE = (
@@ -74,7 +75,7 @@ class InfiniGenCache(SessionCache):
                 sizes disk files, compute-side buffers and a capped host pool; default: the
                 model's context. trace: keep a `TransferRecord` of every transfer issued.
     observer:   what watches each decode step's attention (`AttendObserver`; evaluation's
-                recall, `infinigen.eval.recall`), or None; settable until the first decode step.
+                recall, `infinigen.measure.recall`), or None; settable until the first decode step.
     One cache serves one generation and its continuations (``past_key_values=`` again, a new
     turn included); `close()` (or a ``with`` block, or the session's detach, or garbage
     collection) removes its files, and a closed cache refuses to be used again.
@@ -136,19 +137,7 @@ class InfiniGenCache(SessionCache):
             observer=observer,
             fetch_chunk=config.fetch_chunk,
         )
-        layers: list[Any] = []
-        for i, role in enumerate(roles):
-            if role == Role.COMPUTE:
-                layers.append(
-                    ComputeLayer(i, capacity, reserve=max_length is not None, store_dtype=config.storage_dtype())
-                )
-            elif role == Role.LOCAL:
-                layers.append(LocalLayer(i, adapter.window(i), store_dtype=config.storage_dtype()))
-            elif role == Role.WINDOW:
-                layers.append(WindowLayer(OffloadSettings(i, role), self._shared, adapter.window(i)))
-            else:
-                pooled = role == Role.SELECT and config.host_capacity is not None
-                layers.append(OffloadedLayer(OffloadSettings(i, role, pooled), self._shared, selector))
+        layers = _new_layers(config, adapter, selector, self._shared, capacity, reserve=max_length is not None)
         super().__init__(layers=layers)
         self.closed_because: str | None = None  # why it was closed; None while open
         self._memory_at_close: MemoryReport | None = None
@@ -287,71 +276,25 @@ class InfiniGenCache(SessionCache):
         return self._shared.buffers.nbytes
 
     def summary(self) -> dict[str, Any]:
-        """What this generation moved and selected (decode steps only)."""
-        c, stats = self.counters, self.storage.stats
-        per_layer = [self._layer_summary(i, layer) for i, layer in enumerate(self.layers)]
-        selected = [p for p in per_layer if p["speculated"]]
-        fractions = [p["fetched_fraction"] for p in selected if p["fetched_fraction"] is not None]
-        recalls = [p["recall"] for p in selected if p["recall"] is not None]
-        if not any(isinstance(layer, OffloadedLayer) for layer in self.layers):
-            fetched = None  # nothing is offloaded, nothing is fetched
-        elif not selected:
-            fetched = 1.0
-        else:
-            fetched = sum(fractions) / len(fractions) if fractions else None
-        tokens = max(c.decode_steps, 1) * max(c.batch, 1)
-        pools = [layer.pool_counts() for layer in self.layers if isinstance(layer, OffloadedLayer)]
-        memory = self.memory().to_dict()
-        return {
-            "policy": self.config.policy,
-            "policy_settings": self.selector.describe()
-            if self.selector is not None
-            else {"policy": self.config.policy},
-            "decode_steps": c.decode_steps,
-            "prefill_tokens": c.prefill_tokens,
-            "batch": c.batch,
-            "fetched_fraction": fetched,
-            "recall": sum(recalls) / len(recalls) if recalls else None,
-            "bytes_fetched": stats.bytes,
-            "bytes_cached": stats.cached_bytes,
-            "rows_fetched": stats.rows,
-            "bytes_fetched_per_token": stats.bytes / tokens if c.decode_steps else 0.0,
-            "speculation_seconds": c.speculation_seconds,
-            "correction_bytes": c.correction_bytes,
-            "correction_seconds": c.correction_seconds,
-            "wait_seconds": c.wait_seconds,
-            "tier": self.config.tier,
-            "evictions": sum(evicted for evicted, _ in pools),
-            "host_capacity": self.config.host_capacity,
-            "host_pool_slots": sum(slots for _, slots in pools),
-            "read_amplification": stats.amplification,
-            "local_kv_bytes": sum(layer.peak_bytes for layer in self.layers if isinstance(layer, LocalLayer)),
-            "selector_bytes": memory["compute_parts"]["speculation_state"],
-            "compute_kv_bytes": memory["compute_kv_bytes"],
-            "dense_kv_bytes": memory["dense_kv_bytes"],
-            "memory": memory,
-            "plan": None if self.plan is None else self.plan.describe(),
-            "per_layer": per_layer,
-        }
+        """What this generation moved and selected (decode steps only; `infinigen.summary`)."""
+        return summarize(self)
 
-    def _layer_summary(self, i: int, layer) -> dict[str, Any]:
-        """One layer's entry of `summary()`: its role, what it fetched and waited, what the
-        selector allowed it, and what the observer measured there."""
-        select = layer.role == Role.SELECT
-        entry = {
-            "layer": i,
-            "role": layer.role.value,
-            "speculated": select,
-            "fetched_fraction": layer.stats.fraction(),
-            "recall": None,
-            "wait_seconds": layer.stats.wait_seconds,
-            "correction_rows": layer.stats.correction_rows,
-            "budget": self.selector.budget(i) if select else None,
-            "correction": self.selector.correction(i) if select else None,
-        }
-        if self.observer is not None:
-            entry.update(self.observer.report(i))
-        return entry
+
+def _new_layers(config: InfiniGenConfig, adapter, selector, shared: Shared, capacity: int, reserve: bool) -> list:
+    """One object per layer, by the layer's role: its KV with the compute (the whole of it, or a
+    sliding window), or in the slow tier (every row read back, a selection, or a window)."""
+    layers: list[Any] = []
+    for i, role in enumerate(config.layer_roles(adapter)):
+        if role == Role.COMPUTE:
+            layers.append(ComputeLayer(i, capacity, reserve=reserve, store_dtype=config.storage_dtype()))
+        elif role == Role.LOCAL:
+            layers.append(LocalLayer(i, adapter.window(i), store_dtype=config.storage_dtype()))
+        elif role == Role.WINDOW:
+            layers.append(WindowLayer(OffloadSettings(i, role), shared, adapter.window(i)))
+        else:
+            pooled = role == Role.SELECT and config.host_capacity is not None
+            layers.append(OffloadedLayer(OffloadSettings(i, role, pooled), shared, selector))
+    return layers
 
 
 def _release(layers: list, prefetch: Executor | None, storage: Storage) -> None:
