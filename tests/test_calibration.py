@@ -20,8 +20,8 @@ from conftest import tiny_model
 from infinigen import InfiniGenConfig, SkewArtifact, attach
 from infinigen.calibration import Calibrator, reference_config
 from infinigen.eval.evaluator import Evaluator
-from infinigen.eval.metrics import kl_divergence
-from infinigen.eval.spread_choice import SCORED, held_out_ids
+from infinigen.measure.metrics import kl_divergence
+from infinigen.measure.spread_choice import SCORED, held_out_ids
 from infinigen.models import get_adapter
 from infinigen.select import NotCalibratedError, make_selector, reads_choice, resolve_measured
 from infinigen.skew import SkewArtifactError, cached_path, calibrate, model_fingerprint, synthetic_calibration_ids
@@ -136,12 +136,12 @@ def test_stricter_targets_are_run_only_where_the_least_correction_misses_the_aim
     ratio, targets of equal top-ups run once, on the window's one prefill) and the least KL kept;
     with an aim everything meets, only the least correction runs."""
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(sys.modules["infinigen.eval.spread_choice"], "KL_AIM", aim)
+    monkeypatch.setattr(sys.modules["infinigen.measure.spread_choice"], "KL_AIM", aim)
     monkeypatch.setattr(sys.modules["infinigen.skew.choice"], "KL_AIM", aim)
     model = tiny_model("llama")
     cfg = InfiniGenConfig(**BASE)
     runs = []
-    runner = sys.modules["infinigen.eval.spread_choice"].ForcedRunner
+    runner = sys.modules["infinigen.measure.spread_choice"].ForcedRunner
     original = runner.run
     monkeypatch.setattr(runner, "run", lambda self, *a, **k: runs.append(a[-1]) or original(self, *a, **k))
     prefills, prefill = [], runner.prefill

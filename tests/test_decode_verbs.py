@@ -12,7 +12,7 @@ from conftest import left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
 from infinigen.attention import attention_scaling
 from infinigen.compat import cache_kwargs
-from infinigen.eval.recall import RecallObserver
+from infinigen.measure.recall import RecallObserver
 from infinigen.roles import Role
 from infinigen.speculate import Selection
 from infinigen.storage import RamTier, TransferStats

@@ -6,10 +6,11 @@ Public API: `InfiniGenConfig`, `attach` (a context manager that returns a `Sessi
 and `cache.summary()`.
 """
 
-from infinigen.attach import Session, UnsupportedGenerationError
+from infinigen.api import attach
+from infinigen.attach import Session
 from infinigen.cache import CacheClosedError, ContextTooLongError, InfiniGenCache
-from infinigen.calibration import attach
 from infinigen.config import POLICIES, ConfigError, InfiniGenConfig
+from infinigen.generate_guard import UnsupportedGenerationError
 from infinigen.models import UnsupportedModelError
 from infinigen.skew import SkewArtifact, SkewArtifactError
 

@@ -1,4 +1,4 @@
-"""The one calibration step, and `infinigen.attach`, which runs it on first use.
+"""The one calibration step (`infinigen.attach`, in `infinigen.api`, runs it on first use).
 
 Everything measured per model is made here and stored as concrete values in the skew artifact;
 the runtime (the attach session, the cache, the selectors) only reads it:
@@ -7,7 +7,7 @@ the runtime (the attach session, the cache, the selectors) only reads it:
    model over the calibration text (prose and code, as long as the model's context, <= 8192);
 2. the budget's spread over the layers and the correction target (`infinigen.skew.choice`), by
    teacher-forcing each candidate on held-out text against dense and the oracle
-   (`infinigen.eval.spread_choice`), once, at the reference budget: it serves every budget.
+   (`infinigen.measure.spread_choice`), once, at the reference budget: it serves every budget.
 
 The artifact is cached under `~/.cache/infinigen` (`INFINIGEN_CACHE_DIR`) by a fingerprint of the
 model's weights (rounded to bfloat16: a model's float32 and bfloat16 copies share it) and config. A process that finds another one calibrating the same artifact waits
@@ -30,8 +30,7 @@ from torch import nn
 
 from infinigen.attach import Session
 from infinigen.config import InfiniGenConfig, SpeculationKnobs
-from infinigen.eval.recall import recall_observer_for
-from infinigen.eval.spread_choice import measure, runs_needed
+from infinigen.measure.spread_choice import measure, runs_needed
 from infinigen.models import get_adapter
 from infinigen.progress import duration, step
 from infinigen.select import measured_choice, reads_choice
@@ -73,7 +72,7 @@ def say(progress: bool, text: str) -> None:
 # per-layer tables (float32 tensor work on what was captured) and the measurement of the choice
 # (held-out window prefills, then teacher-forced runs). Measured per phase: docs/results.md.
 PHASE_FORWARDS = {"capture": 1.3, "tables": 1.6, "measure": 3.9}
-PROBE_TOKENS = 512  # the timed forwards behind the estimate (three: ~1 % of the first use at 8192 tokens)
+PROBE_TOKENS = 512  # the timed forwards behind the estimate (three: a small part of the first use)
 
 
 @torch.no_grad()
@@ -281,41 +280,6 @@ class Calibrator:
                 SkewArtifactWarning,
                 stacklevel=3,
             )
-
-
-def attach(
-    model: nn.Module,
-    config: InfiniGenConfig | None = None,
-    *,
-    skew: SkewArtifact | str | Path | None = None,
-    tokenizer=None,
-    cache_dir: str | Path | None = None,
-    progress: bool = True,
-) -> Session:
-    """Attach InfiniGen to `model` and return the session (`infinigen.attach.Session`); use it as a
-    context manager (``with attach(model, cfg) as session:``), or call `session.detach()`.
-
-    On the first use of a model (and partial ratio) this calibrates it once (see the module
-    docstring; a message says what, about how long and where, progress bars how far). The float32
-    and bfloat16 copies of a model share their calibration. skew: an artifact or
-    its path (default: the cached one, calibrated on the default text with `tokenizer` if there is
-    none); progress: show what calibration does."""
-    config = config or InfiniGenConfig()
-    calibrator = Calibrator(model, tokenizer, cache_dir, progress, given=skew)
-    if config.spec.selector != "infinigen":
-        return Session(model, config, tokenizer=tokenizer, source=calibrator, observer_for=recall_observer_for)
-    config.check_layers(calibrator.adapter.num_layers)
-    with calibrator.locked(config):
-        art = calibrator.skew_for(config)
-        session = Session(
-            model, config, artifact=art, tokenizer=tokenizer, source=calibrator, observer_for=recall_observer_for
-        )
-        try:
-            calibrator.complete(session, art, config)
-        except BaseException:
-            session.detach()
-            raise
-    return session
 
 
 def calibrate_to_file(

@@ -11,8 +11,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from infinigen.api import attach
 from infinigen.cache import ContextTooLongError
-from infinigen.calibration import attach
 from infinigen.compat import cache_kwargs
 from infinigen.config import InfiniGenConfig
 from infinigen.errors import InputError

@@ -126,7 +126,7 @@ def run_child(args: argparse.Namespace) -> dict:
 
     from safetensors import safe_open
 
-    from infinigen.calibration import attach
+    from infinigen.api import attach
     from infinigen.loading import load_model
     from infinigen.models import get_adapter
     from infinigen.prefill import Prefix
@@ -409,7 +409,7 @@ def _median_run(runs: list[dict]) -> dict:
 def run_parent(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from infinigen.calibration import attach
+    from infinigen.api import attach
     from infinigen.loading import load_model
 
     contexts = [int(c) for c in args.contexts.split(",")]

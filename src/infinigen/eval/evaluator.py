@@ -1,15 +1,15 @@
 """The one evaluator: S teacher-forced tokens through any policy in one forward pass, on a
-session of its own (`infinigen.eval.forced` has the how: the forced layers and their runs).
+session of its own (`infinigen.measure.forced` has the how: the forced layers and their runs).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from infinigen.api import attach
 from infinigen.attach import Session
-from infinigen.calibration import attach
 from infinigen.config import InfiniGenConfig
-from infinigen.eval.forced import ForcedResult, ForcedRunner, Prefix
+from infinigen.measure.forced import ForcedResult, ForcedRunner, Prefix
 
 __all__ = ["Evaluator", "ForcedResult", "Prefix"]
 

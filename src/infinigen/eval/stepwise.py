@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from infinigen.calibration import attach
+from infinigen.api import attach
 from infinigen.compat import cache_kwargs
 from infinigen.config import InfiniGenConfig
 

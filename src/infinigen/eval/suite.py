@@ -35,8 +35,8 @@ from infinigen.cli_settings import RUN_DEFAULTS
 from infinigen.compat import cache_kwargs
 from infinigen.config import POLICIES, InfiniGenConfig
 from infinigen.eval.evaluator import Evaluator, ForcedResult, Prefix
-from infinigen.eval.metrics import kl_divergence, top1_agreement
 from infinigen.eval.report import DEFAULT_VARIANT
+from infinigen.measure.metrics import kl_divergence, top1_agreement
 from infinigen.storage import row_bytes
 
 

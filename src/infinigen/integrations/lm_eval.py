@@ -45,7 +45,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils_hf import get_dtype
 from tqdm.auto import tqdm
 
-from infinigen.calibration import attach
+from infinigen.api import attach
 from infinigen.cli_settings import RUN_DEFAULTS, parse_setting
 from infinigen.compat import cache_kwargs
 from infinigen.config import InfiniGenConfig

@@ -6,7 +6,7 @@ Neither spread is best on every model (the calibrated one, per-layer fractions f
 recall curves, on SmolLM2-135M; the uniform one on Gemma-3-270m), and the per-layer output error
 that decides which layers the correction tops up understates the end loss on some models. So
 calibration teacher-forces each candidate on held-out text against dense and the oracle
-(`infinigen.eval.spread_choice`) and keeps:
+(`infinigen.measure.spread_choice`) and keeps:
 
 1. the spread whose KL from dense is the smaller multiple of the oracle's (uniform on a tie), at
    the least correction (`CORRECTION_TARGETS[0]`);

@@ -10,8 +10,8 @@ import time
 import torch
 
 from infinigen.config import InfiniGenConfig
-from infinigen.eval.forced import ForcedRunner, Prefix
-from infinigen.eval.metrics import kl_divergence
+from infinigen.measure.forced import ForcedRunner, Prefix
+from infinigen.measure.metrics import kl_divergence
 from infinigen.progress import bar as progress_bar
 from infinigen.progress import ticking
 from infinigen.skew import calibration_length, calibration_text
@@ -19,14 +19,14 @@ from infinigen.skew.calibrate import stdlib_source
 from infinigen.skew.choice import CORRECTION_TARGETS, KL_AIM, SPREADS, MeasuredChoice, choose_target
 
 # Each held-out window is as long as the calibration (the model's context, at most 8192 tokens by
-# default): the length the skew is fitted for. Shorter windows understate the loss at it (Gemma-3-270m,
-# the same settings: 1.24x the oracle's KL at 4096 tokens, 1.37x at 8192).
+# default): the length the skew is fitted for. Shorter windows understate the loss at that length
+# (the KL against the oracle's grows with the context).
 SCORED = 128  # teacher-forced positions scored per window
 # Standard-library packages the calibration (json, email, asyncio) and the `code` evaluation
 # genre (top-level modules) do not read: the held-out source code.
 HELD_OUT_CODE_PACKAGES = ("unittest", "logging", "importlib", "concurrent")
 _CODE_CHARS = 120_000
-KEEP_PREFILL_BYTES = 2 << 30  # prefills kept between batches of candidates (SmolLM2-135M's two 8K windows: 0.8 GiB)
+KEEP_PREFILL_BYTES = 2 << 30  # prefills kept between batches of candidates (a small model's windows fit)
 _SYNTHETIC_SEED = 1  # without a tokenizer: seeded random ids (the calibration uses seed 0)
 
 
@@ -56,8 +56,8 @@ def held_out_code() -> str:
 
 class _HeldOut:
     """The held-out windows of one measurement, each with dense's logits and the oracle's KL,
-    computed once: candidates are scored against them. A window's prefill (on this machine most of
-    a measurement's time: 27 s of Gemma-3-270m's 8K window) is kept for a later batch of
+    computed once: candidates are scored against them. A window's prefill (the longest part of a
+    measurement, worth several forced runs) is kept for a later batch of
     candidates while the kept ones hold at most `KEEP_PREFILL_BYTES`, else redone."""
 
     def __init__(self, session, windows: list[torch.Tensor], scored: int, oracle: InfiniGenConfig, bar) -> None:

@@ -32,9 +32,9 @@ from infinigen.attention import attention_scaling, dense_attention
 from infinigen.cache import SessionCache
 from infinigen.compat import cache_kwargs
 from infinigen.config import InfiniGenConfig
-from infinigen.eval.recall import HeadRecall
 from infinigen.layer_selector import LayerSelector, with_top_up
 from infinigen.layers import LocalLayer, Positions, SessionLayer
+from infinigen.measure.recall import HeadRecall
 from infinigen.prefill import chunked_prefill
 from infinigen.roles import Role
 from infinigen.select import Selector
@@ -308,7 +308,7 @@ class ForcedCache(SessionCache):
 class ForcedRunner:
     """Teacher-forced runs of many configs on one text through an attached session of the model,
     sharing one dense prefill. The session is someone else's (`Evaluator` owns one; the budget
-    spread's choice, `infinigen.eval.spread_choice`, runs inside the session that asks for it)."""
+    spread's choice, `infinigen.measure.spread_choice`, runs inside the session that asks for it)."""
 
     def __init__(self, model: nn.Module, session=None) -> None:
         self.model = model
