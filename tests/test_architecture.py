@@ -72,17 +72,17 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 
 # What each part of the package must never depend on, directly or through another module.
 FORBIDDEN = {
-    # The config is the top of the rules: it declares the settings with the validation rules and may
-    # consult storage's; it knows no command line, no math, model, selector or calibration.
+    # The config is the top of the rules: it declares the settings with the validation rules, reads the
+    # selectors' registry (each selector's knobs and what its policy means; through InfiniGen's, the
+    # skew artifact's readers) and may consult storage's rule; it knows no command line, cache, layer
+    # or calibration.
     "infinigen.config": (
         "infinigen.cli",
-        "infinigen.speculate",
-        "infinigen.models",
-        "infinigen.select",
-        "infinigen.skew",
         "infinigen.attach",
         "infinigen.cache",
         "infinigen.layers",
+        "infinigen.transfer",
+        "infinigen.attention",
     ),
     # How a setting states and checks its rule, for any settings: it declares none of them.
     "infinigen.validation": ("infinigen.config", "infinigen.cli", "infinigen.storage", "infinigen.speculate"),
@@ -96,7 +96,14 @@ FORBIDDEN = {
         "infinigen.skew.query_map",
     ),
     "infinigen.storage": ("infinigen.select", "infinigen.attention", "infinigen.layers", "infinigen.cache"),
-    "infinigen.select": ("infinigen.cache", "infinigen.layers", "infinigen.attach", "infinigen.attention"),
+    # The selectors declare their own settings; the config reads them, never the other way.
+    "infinigen.select": (
+        "infinigen.config",
+        "infinigen.cache",
+        "infinigen.layers",
+        "infinigen.attach",
+        "infinigen.attention",
+    ),
     "infinigen.layers": ("infinigen.cache", "infinigen.attach"),
     # A layer's transfers and counters know tiers and selections, not who selects or attends.
     "infinigen.transfer": (
@@ -131,14 +138,33 @@ FORBIDDEN = {
         "infinigen.models",
     ),
     "infinigen.growing": ("infinigen.",),
+    # What calibration measures and the evaluation reuses works on a session someone else made:
+    # it knows neither who calibrates nor who evaluates, attaches or runs the command line.
+    "infinigen.measure": (
+        "infinigen.calibration",
+        "infinigen.api",
+        "infinigen.eval",
+        "infinigen.cli",
+        "infinigen.bench",
+    ),
+    # The calibration step measures through `measure`; `attach` (in api) and the evaluation sit above it.
+    # ("infinigen.cli." is the cli module alone: the settings' flags in cli_settings are below it.)
+    "infinigen.calibration": ("infinigen.eval", "infinigen.api", "infinigen.cli.", "infinigen.bench"),
+    # `infinigen.attach`: calibration, then a session; it knows no evaluation or command line.
+    "infinigen.api": ("infinigen.eval", "infinigen.cli.", "infinigen.bench"),
+    # The evaluation attaches through api (so it reaches calibration that way) and knows no command line.
+    "infinigen.eval": ("infinigen.cli.", "infinigen.bench"),
 }
 
 
-# The runtime only reads what calibration decided: nothing it runs on imports the evaluation or
-# the calibration step that uses it.
+# The runtime only reads what calibration decided: nothing it runs on imports the evaluation, the
+# calibration step, what they measure with, or the `attach` that runs calibration.
 RUNTIME = (
     "infinigen.attach",
+    "infinigen.generate_guard",
     "infinigen.cache",
+    "infinigen.summary",
+    "infinigen.budget",
     "infinigen.layers",
     "infinigen.transfer",
     "infinigen.layer_selector",
@@ -154,12 +180,37 @@ RUNTIME = (
 )
 
 
+ABOVE_THE_RUNTIME = ("infinigen.measure", "infinigen.calibration", "infinigen.api", "infinigen.eval")
+
+
 @pytest.mark.parametrize("part", RUNTIME)
-def test_the_runtime_does_not_import_evaluation_or_calibration(part):
+def test_the_runtime_does_not_import_measurement_calibration_or_evaluation(part):
     graph = import_graph()
     for mod in [m for m in graph if m == part or m.startswith(part + ".")]:
-        hits = sorted(r for r in _reach(graph, mod) if r.startswith(("infinigen.eval", "infinigen.calibration")))
+        hits = sorted(r for r in _reach(graph, mod) if r.startswith(ABOVE_THE_RUNTIME))
         assert not hits, f"{mod} depends on {hits}"
+
+
+def top_level_part(module: str) -> str:
+    """The part of the package a module belongs to: `infinigen.eval.suite` -> `infinigen.eval`."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_two_parts_of_the_package_import_each_other():
+    """Between the package's top-level parts (`infinigen.X`, a module or a subpackage) imports
+    point one way: no part reaches itself through another, directly or through others. Module
+    cycles are caught above; this catches two parts whose modules point at each other without one
+    module ever reaching itself (calibration importing a measurement from eval while eval imports
+    calibration's attach, say)."""
+    parts: dict[str, set[str]] = {}
+    for mod, deps in import_graph().items():
+        here = top_level_part(mod)
+        parts.setdefault(here, set()).update(top_level_part(d) for d in deps if top_level_part(d) != here)
+    for part in sorted(parts):
+        reached = _reach(parts, part)
+        if part in reached:
+            circle = sorted(p for p in reached if part in _reach(parts, p))
+            pytest.fail(f"these parts of the package import each other, directly or through others: {circle}")
 
 
 @pytest.mark.parametrize("part", sorted(FORBIDDEN))

@@ -4,6 +4,7 @@ import math
 import pytest
 
 from infinigen import ConfigError, InfiniGenConfig
+from infinigen.config import POLICIES
 
 
 @pytest.mark.parametrize(
@@ -58,11 +59,60 @@ def test_round_trip_through_json():
 
 
 def test_selectors_get_their_own_knobs_with_the_policy_default_budget():
-    from infinigen.config import H2OKnobs, SpeculationKnobs
+    from infinigen.select.h2o import H2OKnobs
+    from infinigen.select.infinigen import SpeculationKnobs
 
     assert InfiniGenConfig(policy="h2o").knobs(H2OKnobs) == H2OKnobs(budget=0.1, recent_ratio=0.5)
     assert InfiniGenConfig().knobs(SpeculationKnobs).budget == 0.1  # the one knob: 10% by default
     assert InfiniGenConfig(policy="h2o", budget=0.3).knobs(H2OKnobs).budget == 0.3
+
+
+def test_the_config_is_composed_from_the_selectors_registry():
+    """Each selector's file declares its knobs and what its policy means; the config's fields and
+    `POLICIES` are read from the registry, field for field (help, rule, default, group)."""
+    from infinigen.config import READING_EVERY_ROW, setting_fields
+    from infinigen.select import SELECTORS
+
+    fields = setting_fields()
+    for name, cls in SELECTORS.items():
+        assert POLICIES[name] is cls.policy and cls.policy.selector == name
+        assert issubclass(InfiniGenConfig, cls.Knobs)
+        for f in dataclasses.fields(cls.Knobs):
+            assert fields[f.name].metadata is f.metadata and fields[f.name].default == f.default, f.name
+        cfg = InfiniGenConfig(policy=name, budget=0.2)
+        assert cfg.knobs(cls.Knobs) == cls.Knobs(
+            **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls.Knobs)}
+        )
+    assert set(POLICIES) == set(SELECTORS) | set(READING_EVERY_ROW)
+    assert all(spec.selector is None for spec in READING_EVERY_ROW.values())
+
+
+def test_a_knob_two_selectors_declare_is_refused(monkeypatch):
+    from dataclasses import dataclass
+
+    import infinigen.config as config
+    from infinigen.select.base import SelectionBudget, Selector
+    from infinigen.validation import knob
+
+    @dataclass(frozen=True)
+    class Clashing(SelectionBudget):
+        sinks: int = knob(2, "another selector's sinks")
+
+    class Other(Selector):
+        name = "other"
+        Knobs = Clashing
+
+    monkeypatch.setattr(config, "SELECTORS", {**config.SELECTORS, "other": Other})
+    with pytest.raises(TypeError, match="'sinks' is declared by both StreamingKnobs and Clashing"):
+        config._selector_knobs()
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_round_trips_through_json(policy):
+    import json
+
+    cfg = InfiniGenConfig(policy=policy, alpha=4, budget=0.1)
+    assert InfiniGenConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
 @pytest.mark.parametrize(
@@ -172,7 +222,8 @@ def test_research_switches_are_a_group_of_their_own_and_still_flags():
     are listed apart, yet each is a flag and an `eval --set` key like any other."""
     from infinigen.cli import build_parser, eval_overrides
     from infinigen.cli_settings import ADVANCED_GROUP, USER_GROUP
-    from infinigen.config import SpeculationKnobs, advanced_settings, setting_fields
+    from infinigen.config import advanced_settings, setting_fields
+    from infinigen.select.infinigen import SpeculationKnobs
 
     advanced = set(advanced_settings())
     assert {f.name for f in dataclasses.fields(SpeculationKnobs)} - {"budget", "budget_tokens"} == set(INFINIGEN_KNOBS)

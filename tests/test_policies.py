@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from infinigen.config import H2OKnobs, QuestKnobs, SelectionBudget, StreamingKnobs
-from infinigen.select.h2o import H2OSelector
+from infinigen.select.base import SelectionBudget
+from infinigen.select.h2o import H2OKnobs, H2OSelector
 from infinigen.select.oracle import OracleSelector
-from infinigen.select.quest import QuestSelector
-from infinigen.select.streaming import StreamingSelector
+from infinigen.select.quest import QuestKnobs, QuestSelector
+from infinigen.select.streaming import StreamingKnobs, StreamingSelector
 from infinigen.speculate import (
     aggregate_group,
     attention_recall,

@@ -1,4 +1,6 @@
-"""The settings on the command line, derived from `InfiniGenConfig`'s fields, never listed by hand.
+"""The settings on the command line, derived from `InfiniGenConfig`'s fields, never listed by hand
+(each selector's knobs among them: declared in its file in `infinigen.select`, they reach the
+config through the selectors' registry, and from there every flag, `--set` key and docs row).
 
 Every setting is a ``--flag`` of `generate`, `demo`, `skew` and `bench decode` (`add_arguments`)
 and a ``KEY=VALUE`` of `eval --set` (`parse_setting`); `from_arguments` builds the config of the

@@ -1,15 +1,17 @@
-"""One validated configuration: the only place a setting is declared.
+"""One validated configuration: every setting is declared once, here or next to its selector.
 
 Every field carries its help text and its rule (`infinigen.validation.knob`); validation happens
 at construction, so a bad value fails before any model work starts. The CLI flags of every
 command, `eval --set` and the benchmark's settings are derived from these fields
 (`infinigen.cli_settings`), never listed by hand.
 
-Each selector reads only its own knobs: `SpeculationKnobs` (InfiniGen), `H2OKnobs`,
-`StreamingKnobs`, `QuestKnobs` and `SelectionBudget` (oracle) are small dataclasses, and the
-user-facing `InfiniGenConfig` is their union plus placement and storage, so that users write
-one flat config (``InfiniGenConfig(alpha=4, budget=0.1)``) and `config.knobs(H2OKnobs)` hands a
-selector exactly its part.
+Each selector declares its own knobs next to its code (`infinigen.select`: `SpeculationKnobs` in
+infinigen.py, `H2OKnobs`, `StreamingKnobs`, `QuestKnobs`, and `SelectionBudget`, the budget they
+all share, in base.py) together with what its policy means. This module reads the selectors'
+registry (`infinigen.select.SELECTORS`): the user-facing `InfiniGenConfig` is the union of every
+selector's knobs plus placement and storage, so that users write one flat config
+(``InfiniGenConfig(alpha=4, budget=0.1)``) and `config.knobs(H2OKnobs)` hands a selector exactly
+its part. The arrow points one way: the config imports the selectors; they never import it.
 
 User settings and research switches: a few settings are what a user chooses (policy, budget,
 where the KV lives, threads); the rest are the method's and the baselines' knobs, whose defaults
@@ -17,7 +19,8 @@ were measured, marked ``advanced`` (`advanced_settings`) and shown apart on the 
 
 `POLICIES` is the one list of policy names: what each means for placement (KV with the
 compute, or offloaded to a slow tier), selection (which selector, or every row) and storage
-format (native or int4).
+format (native or int4). The policies that read every row are declared here; each selecting
+one comes from its selector's file.
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ from typing import Any
 import torch
 
 from infinigen.roles import Role
+from infinigen.select import SELECTORS
+from infinigen.select.base import SELECTING_BUDGET as SELECTING_BUDGET  # declared with the selectors; named here too
+from infinigen.select.base import PolicySpec, SelectionBudget
+from infinigen.select.infinigen import SpeculationKnobs as SpeculationKnobs  # likewise (calibration reads it)
 from infinigen.storage import COPY_ENGINES, EVICTIONS, TIERS, check_combination
 from infinigen.validation import (
     ConfigError,
     Rule,
-    Validated,
     at_least,
     fraction,
     knob,
@@ -46,199 +52,55 @@ from infinigen.validation import (
     size_or_share,
 )
 
-
 # ---------------------------------------------------------------------- policies
-@dataclass(frozen=True)
-class PolicySpec:
-    """What a policy name means. placement: ``compute`` (the whole KV stays with the compute)
-    or ``offload`` (it lives in the slow tier); selector: the selector that chooses the rows
-    of the speculated layers, or None (every row, every step); fmt: ``native`` or ``int4``."""
-
-    placement: str
-    selector: str | None
-    fmt: str = "native"
-    default_budget: float = 1.0
-    summary: str = ""
-
-
 # `compute_memory`'s default: an aim, not a limit. An offloading policy keeps at most this share of
 # dense's KV with the compute where a lossless plan can; the leanest lossless plan where none can.
 AUTO = "auto"
 AUTO_SHARE = "12.5%"
 _SIZE_OR_SHARE = size_or_share()
-SELECTING_BUDGET = 0.1  # the budget of every selecting policy unless one is given: 10 % of the context
-POLICIES: dict[str, PolicySpec] = {
-    "infinigen": PolicySpec(
-        "offload",
-        "infinigen",
-        default_budget=SELECTING_BUDGET,
-        summary="speculated one layer ahead from partial keys; the top of each layer's budget",
-    ),
+METHOD = "infinigen"  # the default policy: the method this package implements
+# The policies without a selector: every row, every step, with the compute or from the slow tier.
+READING_EVERY_ROW: dict[str, PolicySpec] = {
     "dense": PolicySpec("compute", None, summary="the whole KV stays with the compute (quality reference)"),
     "full": PolicySpec("offload", None, summary="every row from the slow tier each step (full-fetch offload)"),
     "int4": PolicySpec("offload", None, "int4", summary="every row, stored group-wise 4-bit (FlexGen)"),
-    "h2o": PolicySpec(
-        "offload", "h2o", default_budget=SELECTING_BUDGET, summary="heavy hitters plus recent; evicted for good"
-    ),
-    "streaming": PolicySpec(
-        "offload", "streaming", default_budget=SELECTING_BUDGET, summary="attention sinks plus recent"
-    ),
-    "quest": PolicySpec(
-        "offload", "quest", default_budget=SELECTING_BUDGET, summary="pages ranked by a query-aware bound"
-    ),
-    "oracle": PolicySpec(
-        "offload", "oracle", default_budget=SELECTING_BUDGET, summary="true top attention mass (upper bound)"
-    ),
 }
-AGGREGATIONS = ("max", "sum", "union", "mass")
-PARTIAL_FORMATS = ("kv", "int8", "int4")  # how InfiniGen keeps its partial keys (infinigen.select.quantized)
-ALLOCATIONS = ("auto", "uniform", "calibrated")
-CHANNEL_ALLOCATIONS = ("uniform", "calibrated")
-SPECULATION_INPUTS = ("previous", "fitted", "own")
+# Every policy: the method first, then the references that read every row, then the selecting
+# baselines in the registry's order.
+POLICIES: dict[str, PolicySpec] = {
+    METHOD: SELECTORS[METHOD].policy,
+    **READING_EVERY_ROW,
+    **{name: cls.policy for name, cls in SELECTORS.items() if name != METHOD},
+}
 KV_DTYPES = (None, "float32", "float16", "bfloat16")
 
 
-# ---------------------------------------------------------------------- field rules
-_ALPHA = Rule(">= 0 (inf keeps everything)", lambda v: v >= 0)
-_LAYER_ALPHA = Rule(
-    "a map {layer: alpha} of integers to numbers >= 0",
-    lambda d: all(v >= 0 for v in d.values()),
-)
+def _selector_knobs() -> tuple[type, ...]:
+    """Every selector's knob dataclass, once each, in the registry's order: the bases of
+    `InfiniGenConfig`. A knob two selectors declare apart would be one flat setting with two
+    meanings: refused here, when the package is imported."""
+    classes = tuple(dict.fromkeys(cls.Knobs for cls in SELECTORS.values()))
+    shared = {f.name for f in fields(SelectionBudget)}
+    owner: dict[str, str] = {}
+    for cls in classes:
+        for f in fields(cls):
+            if f.name not in shared and owner.setdefault(f.name, cls.__name__) != cls.__name__:
+                raise TypeError(f"setting {f.name!r} is declared by both {owner[f.name]} and {cls.__name__}")
+    return classes
+
+
+SELECTOR_KNOBS = _selector_knobs()
 
 
 @dataclass(frozen=True)
-class SelectionBudget(Validated):
-    """How much a selecting policy may fetch (the oracle's only knobs)."""
-
-    budget: float | None = knob(
-        None,
-        "fraction of the context fetched per step (the one knob): for infinigen the mean over the speculated "
-        "layers, spread by `allocation` (and a cap on what passes alpha when alpha is set), for "
-        f"h2o/streaming/quest/oracle what they keep (default {SELECTING_BUDGET:g})",
-        fraction(),
-    )
-    budget_tokens: int | None = knob(None, "cap on the fetched positions per KV head", at_least(1))
-
-
-@dataclass(frozen=True)
-class SpeculationKnobs(SelectionBudget):
-    """InfiniGen's selector: skewed partial query of layer i from layer i-1's input (through
-    layer i's query projection refitted to that input at calibration) against the partial keys;
-    each layer keeps the top of its budget (`budget`, or a calibrated spread of it), an optional
-    threshold alpha, and a floor. Defaults chosen on the essays, on every model measured, and
-    reported on other genres (docs/results.md, "Quality on SmolLM2-135M"; docs/CHANGELOG.md): every
-    knob but the budget is a research switch."""
-
-    alpha: float = knob(
-        math.inf,
-        "keep only positions whose speculated score is within alpha of the top (default inf: the budget decides; "
-        "the paper's threshold, e.g. 5, allocates worse on unseen text)",
-        _ALPHA,
-        advanced=True,
-    )
-    partial_ratio: float = knob(
-        0.625, "fraction r of the head dimension kept as partial channels", fraction(), advanced=True
-    )
-    partial_format: str = knob(
-        "int4",
-        "how the partial keys are kept with the compute: kv (the KV's storage dtype), int8 or int4 (codes about "
-        "a mean per channel, with a scale per channel and per position: about a half or a quarter of 16-bit, "
-        "scored without widening)",
-        one_of(PARTIAL_FORMATS),
-        advanced=True,
-    )
-    aggregation: str = knob(
-        "mass",
-        "how a GQA group's query heads make one selection per KV head: union, max, sum or mass",
-        one_of(AGGREGATIONS),
-        advanced=True,
-    )
-    skew: bool = knob(True, "apply the SVD skew before choosing channels (off: plain channel choice)", advanced=True)
-    calibration_tokens: int | None = knob(
-        None, "calibration length (default: the model's context, at most 8192)", at_least(16), advanced=True
-    )
-    min_tokens: int = knob(8, "floor on the fetched positions per KV head", at_least(1), advanced=True)
-    block_tokens: int = knob(
-        1,
-        "select aligned blocks of this many positions (16 matches a 4 KiB disk block at d = 64)",
-        at_least(1),
-        advanced=True,
-    )
-    layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA, advanced=True)
-    allocation: str = knob(
-        "auto",
-        "how the budget is spread over the speculated layers: uniform (the same fraction each, as the oracle it "
-        "is measured against), calibrated (per-layer fractions with the same mean, from the oracle recall curves "
-        "in the skew artifact) or auto (whichever of the two loses less against the oracle on held-out text, "
-        "measured once per model at calibration and stored in the skew artifact; `infinigen.skew.choice`)",
-        one_of(ALLOCATIONS),
-        advanced=True,
-    )
-    channel_allocation: str = knob(
-        "uniform",
-        "how partial channels are spread over the speculated layers: uniform (round(partial_ratio x head_dim) "
-        "each) or calibrated (per-layer counts with that mean, from the partial-score recall measured at "
-        "calibration and stored in the skew artifact)",
-        one_of(CHANNEL_ALLOCATIONS),
-        advanced=True,
-    )
-    correction: float | None = knob(
-        None,
-        "speculate, then correct: at layer i its own query scores the partial keys, and a fraction of the "
-        "context that the speculation missed is fetched as a second, small transfer. A number: that fraction, "
-        "on top of the budget, in every speculated layer (0: off). none: chosen per layer from calibration, "
-        "out of the layer's budget: only where the speculation's attention output strays more than "
-        "correction_target times the oracle's, the least top-up that brings it within",
-        fraction(low_open=False),
-        advanced=True,
-    )
-    correction_target: float | None = knob(
-        None,
-        "with correction none: the multiple of the oracle's attention-output error (measured per layer at "
-        "calibration) above which a layer's speculation is corrected. Default: chosen per model with the spread, "
-        "by measurement on held-out text at calibration: the largest of the targets tried "
-        "(`skew.choice.CORRECTION_TARGETS`) whose KL from dense is within `KL_AIM` times the oracle's, else the one "
-        "of least KL",
-        at_least(1),
-        advanced=True,
-    )
-    speculate_from: str = knob(
-        "fitted",
-        "the input the speculated query is formed from: previous (layer i-1's, one layer ahead, overlapped), "
-        "fitted (layer i-1's, through layer i's query projection refitted to it at calibration; as fast as "
-        "previous) or own (layer i's, not overlapped: measures what speculating from the previous layer costs)",
-        one_of(SPECULATION_INPUTS),
-        advanced=True,
-    )
-
-
-@dataclass(frozen=True)
-class H2OKnobs(SelectionBudget):
-    recent_ratio: float = knob(
-        0.5, "h2o: share of the budget kept as the most recent positions", fraction(False), advanced=True
-    )
-
-
-@dataclass(frozen=True)
-class StreamingKnobs(SelectionBudget):
-    sinks: int = knob(4, "streaming: attention-sink positions kept at the start", at_least(0), advanced=True)
-
-
-@dataclass(frozen=True)
-class QuestKnobs(SelectionBudget):
-    page_tokens: int = knob(16, "quest: positions per page", at_least(1), advanced=True)
-
-
-@dataclass(frozen=True)
-class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
+class InfiniGenConfig(*SELECTOR_KNOBS):
     """Every setting of InfiniGen and of the baselines measured in the same harness.
 
-    The selector knobs are inherited from the dataclasses above; placement and storage follow.
+    The selectors' knobs are inherited from their dataclasses (`SELECTOR_KNOBS`, from the
+    registry); placement and storage follow.
     """
 
-    policy: str = knob(
-        "infinigen", f"what decides the rows each step reads: {', '.join(POLICIES)}", one_of(tuple(POLICIES))
-    )
+    policy: str = knob(METHOD, f"what decides the rows each step reads: {', '.join(POLICIES)}", one_of(tuple(POLICIES)))
     dense_layers: int = knob(2, "first layers that are not speculated and read every row", at_least(1), advanced=True)
     dense_layers_on_compute: bool = knob(
         True,
@@ -399,7 +261,7 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     def threads(self, current: int) -> int:
         """Intra-op threads for this config, given torch's `current` count: an offloading policy
         runs a prefetch thread (selection, gathers) beside the compute, which must not wait
-        for a core (measured: 2 compute threads on 2 cores made InfiniGen 10-20% slower)."""
+        for a core: compute threads on every core leave the prefetch waiting, and the whole step with it."""
         if self.compute_threads is not None:
             return self.compute_threads
         return max(1, current - 1) if self.spec.placement == "offload" else current
@@ -422,7 +284,7 @@ class InfiniGenConfig(SpeculationKnobs, H2OKnobs, StreamingKnobs, QuestKnobs):
     def speed_reference(self) -> InfiniGenConfig:
         """Dense with its KV kept as computed, preallocated: the fastest dense, which the demo and
         `bench decode` compare speed with. (Dense stored in 16 bits keeps half the bytes but widens
-        its whole past every step: at batch 8 and 8K about half the speed.)"""
+        its whole past every step, which costs more time than the smaller reads save.)"""
         return self.replace(policy="dense", kv_dtype=None, host_capacity=None)
 
     def replace(self, **changes: Any) -> InfiniGenConfig:

@@ -4,7 +4,8 @@ A setting is a dataclass field made with `knob`: its default, its help text, its
 value must satisfy beyond its type) and whether it is a research switch (`advanced`). A dataclass
 that derives from `Validated` checks every field against its annotation and rule when it is
 built, so a bad value fails before any work starts. Text (a command-line flag, `--set KEY=VALUE`)
-becomes a typed value with `parse_text`. This module declares no setting: `infinigen.config` does.
+becomes a typed value with `parse_text`. This module declares no setting: `infinigen.config`
+and each selector's file (`infinigen.select`) do.
 """
 
 from __future__ import annotations

@@ -1,22 +1,28 @@
 """Selectors: InfiniGen and the selecting baselines it is measured against, one file each, one
 signature (`Selector.select(state, layer, query, past, valid) -> Selection`).
 
-`dense`, `full` and `int4` are not selectors: they are placements and storage formats
-(`infinigen.config.POLICIES`), so a policy without a selector reads every row.
+`SELECTORS` is the registry: each selector's file declares the selector, its settings (`Knobs`)
+and what its policy means (`policy`), and `infinigen.config` builds `InfiniGenConfig` and
+`POLICIES` from this registry. The arrow points from the config to here: nothing in this package
+imports the config; the functions below take any object with the config's attributes.
+
+`dense`, `full` and `int4` are not selectors: they are placements and storage formats, declared in
+`infinigen.config`, so a policy without a selector reads every row.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 
-from infinigen.config import POLICIES, InfiniGenConfig
 from infinigen.roles import Role
-from infinigen.select.base import Selector
+from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
 from infinigen.select.h2o import H2OSelector
 from infinigen.select.infinigen import (
     InfiniGenSelector,
+    SpeculationKnobs,
     channels_from_artifact,
     layer_budgets_from_artifact,
     layer_channels_from_artifact,
@@ -29,15 +35,44 @@ from infinigen.select.quest import QuestSelector
 from infinigen.select.streaming import StreamingSelector
 from infinigen.skew.choice import CORRECTION_TARGETS, SPREADS, MeasuredChoice, stored_choice
 
-SELECTORS: dict[str, type[Selector]] = {
-    cls.name: cls for cls in (InfiniGenSelector, H2OSelector, StreamingSelector, QuestSelector, OracleSelector)
-}
+
+def _registry(*classes: type[Selector]) -> dict[str, type[Selector]]:
+    """`classes` by their policy's name, each checked when the package is imported: its policy
+    offloads the KV and names it as its selector."""
+    for cls in classes:
+        if cls.policy.selector != cls.name or cls.policy.placement != "offload":
+            raise TypeError(f"selector {cls.name!r}: its policy must be an offloading one that names it")
+    return {cls.name: cls for cls in classes}
 
 
-def make_selector(config: InfiniGenConfig, adapter, artifact=None, folded: bool = False) -> Selector | None:
+# The registry: a new selector is one more class here. In this order the selectors' knobs become
+# the config's fields, and so the order of the command line's flags.
+SELECTORS = _registry(InfiniGenSelector, H2OSelector, StreamingSelector, QuestSelector, OracleSelector)
+
+
+class Settings(Protocol):
+    """What the functions below read of a configuration: `infinigen.config.InfiniGenConfig` is
+    one (this package does not import it: the config is built from this package's registry)."""
+
+    policy: str
+    spec: PolicySpec
+    resolved_budget: float
+    allocation: str
+    correction: float | None
+    correction_target: float | None
+    speculate_from: str
+
+    def knobs(self, cls: type) -> Any: ...
+
+    def layer_roles(self, adapter) -> list[Role]: ...
+
+    def storage_dtype(self) -> torch.dtype | None: ...
+
+
+def make_selector(config: Settings, adapter, artifact=None, folded: bool = False) -> Selector | None:
     """The selector of `config.policy` (None for a policy that reads every row). InfiniGen's
     needs the skew artifact (`folded`: the skew is already in the model's weights)."""
-    name = POLICIES[config.policy].selector
+    name = config.spec.selector
     if name is None:
         return None
     cls = SELECTORS[name]
@@ -71,15 +106,15 @@ def measured_choice(artifact) -> MeasuredChoice | None:
     """The calibration's choice stored in `artifact`, if it was measured at today's reference
     settings (`calibration.reference_config`: every setting but the artifact's own at its default,
     the partial keys' format included); None otherwise, and calibration measures it again."""
-    return stored_choice(artifact, partial_format=InfiniGenConfig.partial_format)
+    return stored_choice(artifact, partial_format=SpeculationKnobs.partial_format)
 
 
-def reads_choice(config: InfiniGenConfig) -> bool:
+def reads_choice(config: Settings) -> bool:
     """Whether `config` reads the calibration's measured choice: InfiniGen below the whole context
     with the spread left to it ("auto"), or the correction target left to it (unset, with the
     correction chosen per layer from a speculation that has something to correct)."""
     return (
-        config.policy == "infinigen"
+        config.spec.selector == InfiniGenSelector.name
         and config.resolved_budget < 1.0
         and (config.allocation == "auto" or _target_left(config))
     )
@@ -89,7 +124,7 @@ def _target_left(knobs) -> bool:
     return knobs.correction_target is None and knobs.correction is None and knobs.speculate_from != "own"
 
 
-def resolve_measured(knobs, artifact, config: InfiniGenConfig):
+def resolve_measured(knobs, artifact, config: Settings):
     """`knobs` with allocation "auto" and the unset correction target replaced by the values the
     calibration measured and stored in `artifact` (`infinigen.skew.choice`) where `config` reads
     them (`reads_choice`), else by the uniform spread and the least correction."""
@@ -112,13 +147,13 @@ def resolve_measured(knobs, artifact, config: InfiniGenConfig):
     )
 
 
-def selecting_layers(config: InfiniGenConfig, adapter) -> list[int]:
+def selecting_layers(config: Settings, adapter) -> list[int]:
     """The layers whose rows the selector chooses (not dense, not sliding-window ones): the
     budget's and the channel count's means are over these."""
     return [i for i, role in enumerate(config.layer_roles(adapter)) if role == Role.SELECT]
 
 
-def corrections_chosen(config: InfiniGenConfig, adapter, artifact) -> dict[int, float]:
+def corrections_chosen(config: Settings, adapter, artifact) -> dict[int, float]:
     """Per layer, the top-up `config` (policy infinigen) fetches with this artifact, as a fraction
     of the context: the calibrated choice for `correction` None, else the number everywhere."""
     knobs = config.knobs(InfiniGenSelector.Knobs)
@@ -148,9 +183,13 @@ def layer_devices(adapter) -> dict[int, torch.device]:
 
 
 __all__ = [
+    "SELECTING_BUDGET",
     "SELECTORS",
     "NotCalibratedError",
+    "PolicySpec",
+    "SelectionBudget",
     "Selector",
+    "Settings",
     "corrections_chosen",
     "make_selector",
     "reads_choice",

@@ -10,20 +10,62 @@ Call order for one layer: `on_append` of the prefill's keys, `on_prefill`; then 
 `select` (for the coming step, before its key exists), `on_append` of the step's key, `correct`
 (the layer's own query has arrived: a small second selection, fetched as a second transfer, or
 None), `observe` of the step's attention weights.
+
+A selector's file also declares its settings and what its policy means, so that adding a policy
+is one file here and one line in `SELECTORS` (`infinigen.select`): its `Knobs` (a dataclass of
+`infinigen.validation.knob` fields on top of `SelectionBudget`, which every selector shares) and
+its `policy` (a `PolicySpec`). `infinigen.config` reads them from the registry: the knobs become
+fields of `InfiniGenConfig` (flags, `eval --set` values and docs/settings.md follow), the spec an
+entry of `POLICIES`. Nothing here imports the config: a selector is handed its own knobs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
 
-from infinigen.config import SelectionBudget
 from infinigen.growing import GrowingTensor
 from infinigen.skew.query_map import project_queries
 from infinigen.speculate import Selection
+from infinigen.validation import Validated, at_least, fraction, knob
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a policy name means. placement: ``compute`` (the whole KV stays with the compute)
+    or ``offload`` (it lives in the slow tier); selector: the selector that chooses the rows
+    of the speculated layers, or None (every row, every step); fmt: ``native`` or ``int4``;
+    default_budget: the fraction of the context it reads when no `budget` is given; summary:
+    what it does, in one line; bound: True for an upper bound on quality rather than a system
+    (it reads more than it counts in order to choose), whose speed nothing models or plans."""
+
+    placement: str
+    selector: str | None
+    fmt: str = "native"
+    default_budget: float = 1.0
+    summary: str = ""
+    bound: bool = False
+
+
+SELECTING_BUDGET = 0.1  # the budget of every selecting policy unless one is given: 10 % of the context
+
+
+@dataclass(frozen=True)
+class SelectionBudget(Validated):
+    """How much a selecting policy may fetch: the knobs every selector shares (the oracle's only
+    ones), declared once here."""
+
+    budget: float | None = knob(
+        None,
+        "fraction of the context fetched per step (the one knob): for infinigen the mean over the speculated "
+        "layers, spread by `allocation` (and a cap on what passes alpha when alpha is set), for "
+        f"h2o/streaming/quest/oracle what they keep (default {SELECTING_BUDGET:g})",
+        fraction(),
+    )
+    budget_tokens: int | None = knob(None, "cap on the fetched positions per KV head", at_least(1))
 
 
 class PrefillWeights(Protocol):
@@ -34,6 +76,8 @@ class PrefillWeights(Protocol):
 class Selector:
     """Base class of every selector.
 
+    `name` is its policy's name; `Knobs` the dataclass of its settings (`SelectionBudget` or one
+    derived from it); `policy` what its policy means (`PolicySpec`, placement ``offload``).
     `query_from` says which query `select` is given, and so when the layer can ask:
       ``"previous"``: layer i's query computed from layer i-1's normalized input — InfiniGen's
                       speculation, asked one layer ahead so that the fetch overlaps layer i-1;
@@ -43,6 +87,7 @@ class Selector:
 
     name: ClassVar[str]
     Knobs: ClassVar[type] = SelectionBudget
+    policy: ClassVar[PolicySpec]
     query_from: ClassVar[str | None] = None
 
     def __init__(self, knobs: Any, adapter: Any) -> None:

@@ -10,9 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-from infinigen.config import H2OKnobs
-from infinigen.select.base import Selector
+from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
 from infinigen.speculate import Selection, budget_counts, group_sum, selection_from_mask
+from infinigen.validation import fraction, knob
+
+
+@dataclass(frozen=True)
+class H2OKnobs(SelectionBudget):
+    recent_ratio: float = knob(
+        0.5, "h2o: share of the budget kept as the most recent positions", fraction(False), advanced=True
+    )
 
 
 @dataclass
@@ -44,6 +51,9 @@ def keep_heavy_and_recent(
 class H2OSelector(Selector):
     name = "h2o"
     Knobs = H2OKnobs
+    policy = PolicySpec(
+        "offload", "h2o", default_budget=SELECTING_BUDGET, summary="heavy hitters plus recent; evicted for good"
+    )
 
     def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
         return batch * self.adapter.num_kv_heads * positions * 5  # float32 scores, bool kept

@@ -29,14 +29,14 @@ budget uses it too, and the correction's top-up (`kernels.top_up`, the rule of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 import infinigen.kernels as kernels
-from infinigen.config import SpeculationKnobs
 from infinigen.growing import GrowingTensor
-from infinigen.select.base import Selector
+from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
 from infinigen.select.quantized import QuantizedPartialKeys, partial_bytes_per_position
 from infinigen.skew.calibrate import SPECULATED_INPUTS
 from infinigen.skew.choice import MeasuredChoice
@@ -53,6 +53,111 @@ from infinigen.speculate import (
     selection_mask,
     top_up,
 )
+from infinigen.validation import Rule, at_least, fraction, knob, one_of
+
+AGGREGATIONS = ("max", "sum", "union", "mass")
+PARTIAL_FORMATS = ("kv", "int8", "int4")  # how the partial keys are kept (infinigen.select.quantized)
+ALLOCATIONS = ("auto", "uniform", "calibrated")
+CHANNEL_ALLOCATIONS = ("uniform", "calibrated")
+SPECULATION_INPUTS = ("previous", "fitted", "own")
+
+_ALPHA = Rule(">= 0 (inf keeps everything)", lambda v: v >= 0)
+_LAYER_ALPHA = Rule(
+    "a map {layer: alpha} of integers to numbers >= 0",
+    lambda d: all(v >= 0 for v in d.values()),
+)
+
+
+@dataclass(frozen=True)
+class SpeculationKnobs(SelectionBudget):
+    """InfiniGen's selector: skewed partial query of layer i from layer i-1's input (through
+    layer i's query projection refitted to that input at calibration) against the partial keys;
+    each layer keeps the top of its budget (`budget`, or a calibrated spread of it), an optional
+    threshold alpha, and a floor. Defaults chosen on the essays, on every model measured, and
+    reported on other genres (docs/results.md, "Quality on SmolLM2-135M"; docs/CHANGELOG.md): every
+    knob but the budget is a research switch."""
+
+    alpha: float = knob(
+        math.inf,
+        "keep only positions whose speculated score is within alpha of the top (default inf: the budget decides; "
+        "the paper's threshold, e.g. 5, allocates worse on unseen text)",
+        _ALPHA,
+        advanced=True,
+    )
+    partial_ratio: float = knob(
+        0.625, "fraction r of the head dimension kept as partial channels", fraction(), advanced=True
+    )
+    partial_format: str = knob(
+        "int4",
+        "how the partial keys are kept with the compute: kv (the KV's storage dtype), int8 or int4 (codes about "
+        "a mean per channel, with a scale per channel and per position: about a half or a quarter of 16-bit, "
+        "scored without widening)",
+        one_of(PARTIAL_FORMATS),
+        advanced=True,
+    )
+    aggregation: str = knob(
+        "mass",
+        "how a GQA group's query heads make one selection per KV head: union, max, sum or mass",
+        one_of(AGGREGATIONS),
+        advanced=True,
+    )
+    skew: bool = knob(True, "apply the SVD skew before choosing channels (off: plain channel choice)", advanced=True)
+    calibration_tokens: int | None = knob(
+        None, "calibration length (default: the model's context, at most 8192)", at_least(16), advanced=True
+    )
+    min_tokens: int = knob(8, "floor on the fetched positions per KV head", at_least(1), advanced=True)
+    block_tokens: int = knob(
+        1,
+        "select aligned blocks of this many positions (16 matches a 4 KiB disk block at d = 64)",
+        at_least(1),
+        advanced=True,
+    )
+    layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA, advanced=True)
+    allocation: str = knob(
+        "auto",
+        "how the budget is spread over the speculated layers: uniform (the same fraction each, as the oracle it "
+        "is measured against), calibrated (per-layer fractions with the same mean, from the oracle recall curves "
+        "in the skew artifact) or auto (whichever of the two loses less against the oracle on held-out text, "
+        "measured once per model at calibration and stored in the skew artifact; `infinigen.skew.choice`)",
+        one_of(ALLOCATIONS),
+        advanced=True,
+    )
+    channel_allocation: str = knob(
+        "uniform",
+        "how partial channels are spread over the speculated layers: uniform (round(partial_ratio x head_dim) "
+        "each) or calibrated (per-layer counts with that mean, from the partial-score recall measured at "
+        "calibration and stored in the skew artifact)",
+        one_of(CHANNEL_ALLOCATIONS),
+        advanced=True,
+    )
+    correction: float | None = knob(
+        None,
+        "speculate, then correct: at layer i its own query scores the partial keys, and a fraction of the "
+        "context that the speculation missed is fetched as a second, small transfer. A number: that fraction, "
+        "on top of the budget, in every speculated layer (0: off). none: chosen per layer from calibration, "
+        "out of the layer's budget: only where the speculation's attention output strays more than "
+        "correction_target times the oracle's, the least top-up that brings it within",
+        fraction(low_open=False),
+        advanced=True,
+    )
+    correction_target: float | None = knob(
+        None,
+        "with correction none: the multiple of the oracle's attention-output error (measured per layer at "
+        "calibration) above which a layer's speculation is corrected. Default: chosen per model with the spread, "
+        "by measurement on held-out text at calibration: the largest of the targets tried "
+        "(`skew.choice.CORRECTION_TARGETS`) whose KL from dense is within `KL_AIM` times the oracle's, else the one "
+        "of least KL",
+        at_least(1),
+        advanced=True,
+    )
+    speculate_from: str = knob(
+        "fitted",
+        "the input the speculated query is formed from: previous (layer i-1's, one layer ahead, overlapped), "
+        "fitted (layer i-1's, through layer i's query projection refitted to it at calibration; as fast as "
+        "previous) or own (layer i's, not overlapped: measures what speculating from the previous layer costs)",
+        one_of(SPECULATION_INPUTS),
+        advanced=True,
+    )
 
 
 @dataclass
@@ -72,6 +177,12 @@ class PartialKeys:
 class InfiniGenSelector(Selector):
     name = "infinigen"
     Knobs = SpeculationKnobs
+    policy = PolicySpec(
+        "offload",
+        "infinigen",
+        default_budget=SELECTING_BUDGET,
+        summary="speculated one layer ahead from partial keys; the top of each layer's budget",
+    )
 
     def __init__(
         self,

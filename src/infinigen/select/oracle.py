@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinigen.growing import GrowingTensor
-from infinigen.select.base import Selector
+from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
 from infinigen.speculate import Selection, budget_counts, group_sum, selection_from_mask
 
 
@@ -48,6 +48,14 @@ def top_mass(mass: torch.Tensor, valid: torch.Tensor, count: torch.Tensor) -> to
 
 class OracleSelector(Selector):
     name = "oracle"
+    Knobs = SelectionBudget  # the budget alone
+    policy = PolicySpec(
+        "offload",
+        "oracle",
+        default_budget=SELECTING_BUDGET,
+        summary="true top attention mass (upper bound)",
+        bound=True,  # it reads every key to choose
+    )
     query_from = "own"
 
     def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:

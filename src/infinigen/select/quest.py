@@ -11,9 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from infinigen.config import QuestKnobs
-from infinigen.select.base import Selector
+from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
 from infinigen.speculate import Selection, budget_counts, selection_from_mask
+from infinigen.validation import at_least, knob
+
+
+@dataclass(frozen=True)
+class QuestKnobs(SelectionBudget):
+    page_tokens: int = knob(16, "quest: positions per page", at_least(1), advanced=True)
 
 
 @dataclass
@@ -38,6 +43,9 @@ def page_upper_bounds(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor
 class QuestSelector(Selector):
     name = "quest"
     Knobs = QuestKnobs
+    policy = PolicySpec(
+        "offload", "quest", default_budget=SELECTING_BUDGET, summary="pages ranked by a query-aware bound"
+    )
     query_from = "own"
 
     def max_rows(self, layer: int, positions: int) -> int:

@@ -3,11 +3,18 @@ the first `sinks` real positions and the most recent ones, `budget` positions in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from infinigen.config import StreamingKnobs
-from infinigen.select.base import Selector
+from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
 from infinigen.speculate import Selection, budget_counts, selection_from_mask
+from infinigen.validation import at_least, knob
+
+
+@dataclass(frozen=True)
+class StreamingKnobs(SelectionBudget):
+    sinks: int = knob(4, "streaming: attention-sink positions kept at the start", at_least(0), advanced=True)
 
 
 def sinks_and_recent(valid: torch.Tensor, count: torch.Tensor, sinks: int) -> torch.Tensor:
@@ -23,6 +30,7 @@ def sinks_and_recent(valid: torch.Tensor, count: torch.Tensor, sinks: int) -> to
 class StreamingSelector(Selector):
     name = "streaming"
     Knobs = StreamingKnobs
+    policy = PolicySpec("offload", "streaming", default_budget=SELECTING_BUDGET, summary="attention sinks plus recent")
 
     def select(self, state, layer_idx, query, past, valid) -> Selection:
         count = budget_counts(valid.sum(-1), self.knobs.budget, self.knobs.budget_tokens)
