@@ -61,3 +61,14 @@ def test_a_bad_memory_or_budget_is_refused_in_its_own_name(flags, says, tmp_path
     rc, _, err = run_cli(capsys, "bench", "capacity", *flags, "--out", str(tmp_path / "out"))
     assert rc == 2 and says in one_error_line(err) and "compute_memory" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_default_policies_are_every_system_of_the_config():
+    """The default list follows `config.POLICIES` by a rule: every policy but an upper bound."""
+    from infinigen.bench.capacity import DEFAULT_POLICIES, build_parser
+    from infinigen.config import POLICIES
+
+    assert DEFAULT_POLICIES == tuple(p for p, spec in POLICIES.items() if not spec.bound)
+    assert {"dense", "int4", "full", "h2o", "quest", "infinigen"} <= set(DEFAULT_POLICIES)
+    assert "oracle" not in DEFAULT_POLICIES
+    assert build_parser().parse_args([]).policies == ",".join(DEFAULT_POLICIES)

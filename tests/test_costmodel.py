@@ -54,6 +54,46 @@ def test_what_does_not_fit_is_reported_not_timed():
     assert predict(tiny, TOY, "infinigen", 8192, 4, w).tokens_per_s is None
 
 
+def test_the_modelled_policies_are_the_configs_but_the_upper_bound():
+    """The cost model reads what each policy means (`config.POLICIES`), not a list of its own:
+    every policy is modelled but the oracle, which is refused in one sentence."""
+    from infinigen.bench.costmodel import POLICIES as MODELLED_POLICIES
+    from infinigen.config import POLICIES
+
+    assert MODELLED_POLICIES == tuple(p for p, spec in POLICIES.items() if not spec.bound)
+    assert {"dense", "full", "int4", "h2o", "infinigen"} <= set(MODELLED_POLICIES)
+    w = Workload(fraction=0.05)
+    for p in MODELLED_POLICIES:
+        assert predict(HW, TOY, p, 4096, 1, w).tokens_per_s > 0, p
+    with pytest.raises(ValueError, match="policy 'oracle' is not modelled: it is an upper bound"):
+        predict(HW, TOY, "oracle", 4096, 1, w)
+    with pytest.raises(ValueError, match="unknown policy 'nope'; modelled: infinigen, dense"):
+        predict(HW, TOY, "nope", 4096, 1, w)
+
+
+def test_a_baseline_reads_its_budget_overlapped_unless_it_needs_the_layers_own_query():
+    """StreamingLLM chooses without a query: its rows are read as one range, overlapped. Quest ranks
+    pages with the layer's own query: scattered rows gathered, after the layer's compute."""
+    ctx, b = 4096, 1
+    w = Workload(fraction=0.05, dense_layers=1, budgets={"streaming": 0.25, "quest": 0.25})
+    row = 2 * TOY.kv_heads * TOY.head_dim * 2
+    lin = max(TOY.layer_params * 2 / HW.mem_bw, 2 * b * TOY.layer_params / HW.flops)
+    head = max(TOY.head_params * 2 / HW.mem_bw, 2 * b * TOY.head_params / HW.flops)
+
+    def attn(rows):
+        return max(b * rows * row / HW.mem_bw, 4 * b * TOY.heads * rows * TOY.head_dim / HW.flops)
+
+    rows = 0.25 * ctx
+    kept = lin + attn(ctx)  # the dense layer, with the compute
+    streaming = head + kept + 3 * max(lin + attn(rows), b * rows * row / HW.link_bw)
+    quest = head + kept + 3 * (lin + attn(rows) + b * rows * row / HW.gather_bw)
+    assert predict(HW, TOY, "streaming", ctx, b, w).step_ms == pytest.approx(1000 * streaming)
+    assert predict(HW, TOY, "quest", ctx, b, w).step_ms == pytest.approx(1000 * quest)
+    # a baseline not named in `budgets` reads its policy's default budget
+    default = predict(HW, TOY, "streaming", ctx, b, Workload(fraction=0.05, dense_layers=1))
+    assert default.tier_bytes_per_token == pytest.approx(3 * 0.1 * ctx * row)
+
+
 @pytest.mark.parametrize("hw", list(HARDWARE))
 def test_named_hardware_orders_policies_as_the_bytes_say(hw):
     m = MODELS["llama-3.1-8b"]

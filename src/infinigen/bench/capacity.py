@@ -32,7 +32,8 @@ from infinigen.provenance import commit, machine
 from infinigen.storage import row_bytes
 from infinigen.validation import parse_size
 
-DEFAULT_POLICIES = ("dense", "int4", "full", "h2o", "quest", "infinigen")
+# Every policy but an upper bound (whose memory and speed mean nothing), in `POLICIES`' order.
+DEFAULT_POLICIES = tuple(name for name, spec in POLICIES.items() if not spec.bound)
 
 
 def fits(cfg, session, adapter, batch: int, positions: int, dtype) -> tuple[bool, str, dict]:
@@ -74,7 +75,7 @@ def largest_batch(cfg, session, adapter, positions: int, most: int, dtype) -> tu
 
 
 def run(args: argparse.Namespace) -> int:
-    from infinigen.calibration import attach
+    from infinigen.api import attach
     from infinigen.loading import load_model
 
     budget = args.memory

@@ -17,12 +17,26 @@ fetches is not modelled but *measured*: the selection fraction (and, for a disk,
 per row asked for, amplification and RAM block cache included) come from `bench decode` runs.
 
 Hardware numbers are spec-sheet peaks times stated efficiencies; the output says which.
+
+A policy is modelled from what it means (`infinigen.config.POLICIES`), not from its name: KV
+with the compute costs as dense; an offloading policy without a selector reads every row over
+the link (int4 storage: its packed bytes); InfiniGen speculates and gathers its measured
+fraction; any other selector reads its budget (`Workload.budgets`). A selector that chooses
+without a query (by position or history: H2O, StreamingLLM) keeps the same rows from step to
+step but for the newest, so they are read as one range at the link's speed; a query-aware one
+gathers scattered rows, and one that needs the layer's own query cannot start its fetch before
+the layer (no overlap). What a baseline spends choosing (scores, page bounds) is left to the
+fixed per-layer overhead. An upper bound that reads every key to choose (the oracle) is refused:
+its speed means nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
+from infinigen.config import POLICIES as SPECS
+from infinigen.config import PolicySpec
+from infinigen.select import SELECTORS
 from infinigen.speculate import channel_count
 
 GB = 1e9
@@ -183,8 +197,20 @@ MODELS: dict[str, ModelShape] = {
     )
 }
 
-POLICIES = ("dense", "full", "int4", "h2o", "infinigen")
+SPECULATED = "infinigen"  # the selector whose speculation and measured fraction the model costs
+
+
+def unmodelled(spec: PolicySpec) -> str | None:
+    """Why the model cannot cost a policy of this meaning (None: it can)."""
+    if spec.bound:
+        return "it is an upper bound that reads every key to choose, not a system whose speed means anything"
+    return None
+
+
+# Every policy the model costs, in `infinigen.config.POLICIES`' order.
+POLICIES = tuple(name for name, spec in SPECS.items() if unmodelled(spec) is None)
 INT4_BYTES_PER_ROW = 0.28  # group-wise 4-bit with fp16 scale and zero per 64: 36 of 128 bytes per 64 values
+PAPER_H2O_BUDGET = 0.2  # the InfiniGen paper runs H2O at 20 % of the context
 
 
 @dataclass
@@ -192,15 +218,36 @@ class Workload:
     """What InfiniGen fetches, measured: `fraction` of the context per speculated layer and the
     bytes moved per byte of rows asked for (`amplification`: whole disk blocks, minus what a RAM
     cache served; 1 for pinned host RAM). `dense_layers` are never speculated; `partial_ratio`
-    sizes the partial keys; `h2o_budget` is H2O's kept fraction."""
+    sizes the partial keys; `budgets` is what another selector keeps, by its name (one not named
+    keeps its policy's default budget)."""
 
     fraction: float
     amplification: float = 1.0
     dense_layers: int = 2
     partial_ratio: float = 0.3
-    h2o_budget: float = 0.2
+    budgets: dict[str, float] = field(default_factory=lambda: {"h2o": PAPER_H2O_BUDGET})
     store_bytes: int = 2
     source: str = ""
+
+    def share(self, policy: str) -> float:
+        """The fraction of the context `policy` reads in a speculated layer (1: every row)."""
+        spec = spec_of(policy)
+        if spec.selector is None:
+            return 1.0
+        if spec.selector == SPECULATED:
+            return self.fraction
+        return self.budgets.get(spec.selector, spec.default_budget)
+
+
+def spec_of(policy: str) -> PolicySpec:
+    """What `policy` means, refused in one sentence when the model cannot cost it."""
+    spec = SPECS.get(policy)
+    if spec is None:
+        raise ValueError(f"unknown policy {policy!r}; modelled: {', '.join(POLICIES)}")
+    why = unmodelled(spec)
+    if why is not None:
+        raise ValueError(f"policy {policy!r} is not modelled: {why}")
+    return spec
 
 
 @dataclass
@@ -254,16 +301,17 @@ def resident_bytes(hw: Hardware, m: ModelShape, policy: str, context: int, batch
     """What must stay in the compute device's memory: the weights, plus for dense every layer's KV;
     for a selecting policy the first `dense_layers` layers' KV (kept with the compute), for
     InfiniGen also the partial keys of every speculated layer (r·d of each key, the compute
-    dtype); for every offloading policy two layers' transfer buffers."""
+    dtype); for every offloading policy two layers' transfer buffers. (A baseline's own state,
+    scores or page bounds, is small beside these and not counted.)"""
+    spec = spec_of(policy)
     weights = (m.layer_params * m.layers + m.head_params) * m.weight_bytes
     per_layer = batch * context * m.kv_row_bytes(hw.kv_compute_bytes)
-    if policy == "dense":
+    if spec.placement == "compute":
         return weights + m.layers * per_layer
-    selecting = policy in ("infinigen", "h2o")
-    kept = w.dense_layers if selecting else 0
-    share = {"infinigen": w.fraction, "h2o": w.h2o_budget}.get(policy, 1.0)
+    kept = w.dense_layers if spec.selector is not None else 0
+    share = w.share(policy)
     partial = 0.0
-    if policy == "infinigen":
+    if spec.selector == SPECULATED:
         channels = channel_count(w.partial_ratio, m.head_dim)
         partial = (m.layers - kept) * batch * context * m.kv_heads * channels * hw.kv_compute_bytes
     return weights + kept * per_layer + partial + 2 * share * per_layer
@@ -271,13 +319,15 @@ def resident_bytes(hw: Hardware, m: ModelShape, policy: str, context: int, batch
 
 def predict(hw: Hardware, m: ModelShape, policy: str, context: int, batch: int, w: Workload) -> Prediction:
     """Tokens/s of one decode step at `context` cached positions (see the module docstring)."""
+    spec = spec_of(policy)
+    on_compute = spec.placement == "compute"
     need = resident_bytes(hw, m, policy, context, batch, w)
     if hw.mem_gb is not None and need > hw.mem_gb * GB:
-        what = "weights + KV" if policy == "dense" else "weights + resident KV, partial keys and buffers"
+        what = "weights + KV" if on_compute else "weights + resident KV, partial keys and buffers"
         return Prediction(hw.name, m.name, policy, context, batch, None, None, 0.0, "-",
                           f"does not fit: {what} = {need / GB:.0f} GB > {hw.mem_gb} GB")  # fmt: skip
     spec_hw = hw
-    if policy != "dense":
+    if not on_compute:
         hw = offloading(hw)
     lin = _linear_seconds(hw, m, batch, m.layer_params)
     head = _linear_seconds(hw, m, batch, m.head_params)
@@ -285,40 +335,45 @@ def predict(hw: Hardware, m: ModelShape, policy: str, context: int, batch: int, 
     row = m.kv_row_bytes(w.store_bytes)
     step = head
     tier = 0.0
-    if policy == "dense":
+    if on_compute:
         step += m.layers * (lin + _attention_seconds(hw, m, batch, context) + over)
         bound = "memory"
     else:
         links = 0
+        query_from = SELECTORS[spec.selector].query_from if spec.selector is not None else None
         for i in range(m.layers):
             compute = lin + over
             transfer = nbytes = 0.0
-            if policy in ("infinigen", "h2o") and i < w.dense_layers:
+            overlapped = True
+            if spec.selector is not None and i < w.dense_layers:
                 compute += _attention_seconds(hw, m, batch, context)  # kept with the compute
-            elif policy == "infinigen":
+            elif spec.selector == SPECULATED:
                 rows = w.fraction * context
                 nbytes = batch * rows * row * w.amplification
                 transfer = nbytes / hw.gather_bw
                 compute += _attention_seconds(hw, m, batch, rows)
                 # The speculation for layer i runs during layer i - 1: on the compute device, or
                 # (CPU path) on the prefetch thread before the fetch it sizes.
-                spec = _speculation_seconds(spec_hw, m, batch, context, w) + hw.overhead("speculation")
+                speculation = _speculation_seconds(spec_hw, m, batch, context, w) + hw.overhead("speculation")
                 if hw.spec_on_compute:
-                    compute += spec
+                    compute += speculation
                 else:
-                    transfer += spec
-            elif policy == "h2o":
-                rows = w.h2o_budget * context  # H2O evicts for good: its kept rows are compact
+                    transfer += speculation
+            elif spec.selector is not None:
+                rows = w.share(policy) * context
                 nbytes = batch * rows * row
-                transfer = nbytes / hw.link_bw
+                # Chosen without a query (by position or history): the same rows step after step,
+                # kept together and read as one range; chosen by a query: scattered rows, gathered.
+                transfer = nbytes / (hw.link_bw if query_from is None else hw.gather_bw)
+                overlapped = query_from != "own"  # the layer's own query comes with the layer
                 compute += _attention_seconds(hw, m, batch, rows)
             else:
-                nbytes = batch * context * (row * INT4_BYTES_PER_ROW if policy == "int4" else row)
+                nbytes = batch * context * (row * INT4_BYTES_PER_ROW if spec.fmt == "int4" else row)
                 transfer = nbytes / hw.link_bw
                 compute += _attention_seconds(hw, m, batch, context)
             tier += nbytes
             links += transfer > compute
-            step += max(compute, transfer)
+            step += max(compute, transfer) if overlapped else compute + transfer
         bound = "link" if links > m.layers / 2 else "compute"
     return Prediction(hw.name, m.name, policy, context, batch, batch / step, 1000 * step, tier / batch, bound)
 
@@ -337,7 +392,7 @@ def generation_seconds(
     hw: Hardware, m: ModelShape, policy: str, batch: int, prompt: int, new: int, w: Workload, points: int = 8
 ) -> float | None:
     """Prefill plus `new` decode steps, the step cost integrated over the growing context."""
-    total = prefill_seconds(hw, m, batch, prompt, offload=policy != "dense")
+    total = prefill_seconds(hw, m, batch, prompt, offload=spec_of(policy).placement == "offload")
     for j in range(points):
         ctx = prompt + int((j + 0.5) * new / points)
         p = predict(hw, m, policy, ctx, batch, w)
