@@ -195,8 +195,8 @@ def correction_error_table(
     attends its selection and itself, and the error is the squared distance of that output
     from the dense output, averaged over query heads and positions. The output's error, not the
     recall: what a selection misses matters by how far the missed values are from the ones it
-    holds, and the speculation's misses cost more than the oracle's diffuse tail at equal recall
-    (measured: 1.2x the oracle's missed mass, but 2-3.6x its perplexity loss, on Gemma-3).
+    holds, and the speculation's misses can cost more than the oracle's diffuse tail at equal
+    recall (docs/results.md).
 
     query [H, T, d]: the layer's own queries; speculated [H, P, d]: the speculated queries at the
     P `positions` (from the previous layer's input); key, value [Hkv, T, d] (post-RoPE keys,
