@@ -74,8 +74,8 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 FORBIDDEN = {
     # The config is the top of the rules: it declares the settings with the validation rules, reads the
     # selectors' registry (each selector's knobs and what its policy means; through InfiniGen's, the
-    # skew artifact's readers) and may consult storage's rule; it knows no command line, cache, layer
-    # or calibration.
+    # calibration tables' math) and may consult storage's rule; it knows no command line, cache,
+    # layer, model family or calibration run.
     "infinigen.config": (
         "infinigen.cli",
         "infinigen.attach",
@@ -83,6 +83,8 @@ FORBIDDEN = {
         "infinigen.layers",
         "infinigen.transfer",
         "infinigen.attention",
+        "infinigen.models",
+        "infinigen.skew.calibrate",
     ),
     # How a setting states and checks its rule, for any settings: it declares none of them.
     "infinigen.validation": ("infinigen.config", "infinigen.cli", "infinigen.storage", "infinigen.speculate"),

@@ -38,10 +38,9 @@ import infinigen.kernels as kernels
 from infinigen.growing import GrowingTensor
 from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
 from infinigen.select.quantized import QuantizedPartialKeys, partial_bytes_per_position
-from infinigen.skew.calibrate import SPECULATED_INPUTS
 from infinigen.skew.choice import MeasuredChoice
 from infinigen.skew.query_map import apply_query_map, fold_skew_into_map
-from infinigen.skew.tables import allocate_budgets, allocate_channels, correction_share
+from infinigen.skew.tables import SPECULATED_INPUTS, allocate_budgets, allocate_channels, correction_share
 from infinigen.speculate import (
     Selection,
     aggregate_group,

@@ -28,6 +28,7 @@ from infinigen.skew.tables import (
     CORRECTION_BUDGETS,
     CORRECTION_SHARES,
     RECALL_GRID,
+    SPECULATED_INPUTS,
     channel_grid,
     correction_error_table,
     oracle_recall_curve,
@@ -194,9 +195,6 @@ def collect_qk(
         for h in handles:
             h.remove()
     return qs, ks
-
-
-SPECULATED_INPUTS = ("previous", "fitted")  # the speculated queries calibration measures the correction with
 
 
 def _speculated_queries(adapter, layer, module, previous, target, pe, positions) -> dict[str, torch.Tensor]:

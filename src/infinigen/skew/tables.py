@@ -17,6 +17,9 @@ import torch
 from infinigen.skew.choice import CORRECTION_TARGETS
 from infinigen.speculate import channel_count
 
+# The inputs a speculated query is formed from that calibration measures the correction tables with.
+SPECULATED_INPUTS = ("previous", "fitted")
+
 # ---------------------------------------------------------------------- budgets across layers
 RECALL_GRID = tuple(float(x) for x in torch.logspace(math.log10(0.002), 0.0, 40).tolist())
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinigen.errors import InfiniGenError
+from infinigen.growing import grown_size
 
 
 @dataclass
@@ -320,6 +321,22 @@ def scatter_rows(
         k[flat] = rows_k.to(device, dtype)
         v[flat] = rows_v.to(device, dtype)
     return k, v
+
+
+def grown_rows(
+    pair: tuple[torch.Tensor, torch.Tensor], length: int, need: int, empty
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [B, Hkv, room, d] with room for `need` positions by the one growth rule
+    (`growing.grown_size`), the first `length` kept; `pair` itself when it has the room.
+    `empty(shape)` allocates a tensor of the tier's kind (plain or page-locked memory)."""
+    k, v = pair
+    if need <= k.shape[2]:
+        return pair
+    shape = (*k.shape[:2], grown_size(k.shape[2], need), k.shape[3])
+    grown = empty(shape), empty(shape)
+    for new, old in zip(grown, pair):
+        new[:, :, :length] = old[:, :, :length]
+    return grown
 
 
 def prefix_views(out: tuple[torch.Tensor, torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,12 +12,12 @@ code runs on CUDA streams and on CPU threads (`storage/copyengine.py`).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
-from infinigen.growing import grown_size
-from infinigen.storage.base import KVTier, TransferStats, prefix_views
+from infinigen.storage.base import KVTier, TransferStats, grown_rows, prefix_views
 from infinigen.storage.copyengine import CopyEngine
 
 
@@ -60,16 +60,10 @@ class PinnedTier(KVTier):
         return self._k.nbytes + self._v.nbytes
 
     def _grow(self, need: int) -> None:
-        cap = self._k.shape[2]
-        if need <= cap:
-            return
-        self._host_ready()
-        new_cap = grown_size(cap, need)
-        k = self.engine.host_empty((self.batch, self.kv_heads, new_cap, self.head_dim), self.dtype)
-        v = self.engine.host_empty((self.batch, self.kv_heads, new_cap, self.head_dim), self.dtype)
-        k[:, :, : self.length] = self._k[:, :, : self.length]
-        v[:, :, : self.length] = self._v[:, :, : self.length]
-        self._k, self._v = k, v
+        if need > self._k.shape[2]:
+            self._host_ready()  # the rows written last are copied, so they must have landed
+            empty = functools.partial(self.engine.host_empty, dtype=self.dtype)
+            self._k, self._v = grown_rows((self._k, self._v), self.length, need, empty)
 
     def _host_ready(self) -> None:
         """Wait (host side, for the last write only) until every stored row is in host memory."""

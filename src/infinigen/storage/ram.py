@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from infinigen.growing import grown_size
-from infinigen.storage.base import KVTier, TransferStats, copy_prefix, scatter_rows
+from infinigen.storage.base import KVTier, TransferStats, copy_prefix, grown_rows, scatter_rows
 
 # Sequential reads (every row, or a chunk of it) are copied here, off the thread that asks: the
 # stand-in for a copy engine moving host memory while the compute goes on, so that a layer read in
@@ -32,15 +32,8 @@ class RamTier(KVTier):
         return self._k.nbytes + self._v.nbytes
 
     def _grow(self, need: int) -> None:
-        cap = self._k.shape[2]
-        if need <= cap:
-            return
-        new_cap = grown_size(cap, need)
-        k = torch.empty(self.batch, self.kv_heads, new_cap, self.head_dim, dtype=self.dtype)
-        v = torch.empty_like(k)
-        k[:, :, : self.length] = self._k[:, :, : self.length]
-        v[:, :, : self.length] = self._v[:, :, : self.length]
-        self._k, self._v = k, v
+        empty = functools.partial(torch.empty, dtype=self.dtype)
+        self._k, self._v = grown_rows((self._k, self._v), self.length, need, empty)
 
     def _append(self, keys, values, valid) -> None:
         n = keys.shape[2]
