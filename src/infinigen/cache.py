@@ -27,6 +27,7 @@ from infinigen.layers import (
     OffloadedLayer,
     OffloadSettings,
     Positions,
+    SelectingLayer,
     Shared,
     WindowLayer,
 )
@@ -291,9 +292,11 @@ def _new_layers(config: InfiniGenConfig, adapter, selector, shared: Shared, capa
             layers.append(LocalLayer(i, adapter.window(i), store_dtype=config.storage_dtype()))
         elif role == Role.WINDOW:
             layers.append(WindowLayer(OffloadSettings(i, role), shared, adapter.window(i)))
+        elif role == Role.SELECT:
+            pooled = config.host_capacity is not None
+            layers.append(SelectingLayer(OffloadSettings(i, role, pooled), shared, selector))
         else:
-            pooled = role == Role.SELECT and config.host_capacity is not None
-            layers.append(OffloadedLayer(OffloadSettings(i, role, pooled), shared, selector))
+            layers.append(OffloadedLayer(OffloadSettings(i, role), shared))
     return layers
 
 

@@ -3,12 +3,13 @@
 `ComputeLayer`  the whole KV of a layer stays with the compute, in a preallocated buffer.
 `LocalLayer`    a sliding-window layer: only the last `window` - 1 positions stay, with the
                  compute (transformers' own sliding-layer semantics, so its masks apply).
-`OffloadedLayer` the whole KV lives in a slow tier; each decode step reads back every row
-                 (no selector) or the rows its selector chooses, issued one layer ahead when the
-                 selector can choose from the previous layer's input, so the transfer overlaps
-                 that layer's compute. Its verbs: issue the transfer, wait on it, append, attend
-                 (`transfer.py` has the transfer and the counters, `layer_selector.py` the
-                 selector's calls).
+`OffloadedLayer` the whole KV lives in a slow tier; each decode step reads back every row,
+                 issued one layer ahead, so the transfer overlaps that layer's compute. Its
+                 verbs: issue the transfer, wait on it, append, attend (`transfer.py` has the
+                 transfer and the counters).
+`SelectingLayer` an offloaded layer that reads the rows its selector chooses, issued one
+                 layer ahead when the selector can choose from the previous layer's input
+                 (`layer_selector.py` has the selector's calls).
 `WindowLayer`   a sliding-window layer offloaded as well: each step reads back its window.
 
 All answer the session's hooks: `own_input` (this layer's normalized attention input arrived),
@@ -372,15 +373,16 @@ class Step:
 
 
 class OffloadedLayer(SessionLayer):
-    """A layer whose whole KV lives in a slow tier (see the module docstring). A decode step is
-    four verbs: `issue` its transfer (one layer ahead when it can), `update` (wait for the rows,
-    append the new KV, hand `attend` a `Step`), and `attend`."""
+    """A layer whose whole KV lives in a slow tier and whose every row is read back each decode
+    step (see the module docstring). A decode step is four verbs: `issue` its transfer (one
+    layer ahead), `update` (wait for the rows, append the new KV, hand `attend` a `Step`), and
+    `attend`. `SelectingLayer` reads a selection instead, `WindowLayer` a window."""
 
-    def __init__(self, settings: OffloadSettings, shared: Shared, selector: Selector | None = None) -> None:
+    selecting: LayerSelector | None = None  # the selector's calls for this layer (`SelectingLayer`)
+
+    def __init__(self, settings: OffloadSettings, shared: Shared) -> None:
         super().__init__()
         self.settings, self.shared = settings, shared
-        select = selector is not None and settings.role == Role.SELECT
-        self.selecting = LayerSelector(selector, settings.index, shared.storage.reserve) if select else None
         self.tier: KVTier | None = None
         self.length = 0
         self.record = Recorder(settings.index, shared.counters)
@@ -408,9 +410,8 @@ class OffloadedLayer(SessionLayer):
 
     def previous_input(self, x: torch.Tensor, position_embeddings) -> None:
         """The previous layer's input arrived: issue this layer's transfer now, so that it runs
-        while the previous layer computes — unless the selector needs this layer's own query."""
-        own_query = self.selecting is not None and self.selecting.query_from == "own"
-        if self._decoding(x) and self._transfer is None and not own_query:
+        while the previous layer computes."""
+        if self._decoding(x) and self._transfer is None:
             self.issue(x, position_embeddings, issued_at=self.index - 1)
 
     def _decoding(self, x: torch.Tensor) -> bool:
@@ -419,30 +420,10 @@ class OffloadedLayer(SessionLayer):
     # ------------------------------------------------------------------ issue
     @torch.no_grad()
     def issue(self, x: torch.Tensor, position_embeddings, issued_at: int) -> None:
-        """Start this layer's transfer for the coming step. Issued ahead (from the previous
-        layer's input), the selection and the fetch run on the cache's prefetch thread while the
-        compute thread goes on with the previous layer; issued at the layer itself, they run now."""
-        past = self.length
-        if self.selecting is None:
-            self._transfer = self._every_row_step(past, issued_at)
-            self.record.issued(issued_at, past, None)
-            return
-        valid = self.shared.valid(self.tier, past, self.device)
-        plan = functools.partial(self._select_and_fetch, x, position_embeddings, past, valid, issued_at)
-        self._transfer = Transfer.issue(plan, issued_at, self.shared.prefetch if issued_at < self.index else None)
-
-    @torch.no_grad()
-    def _select_and_fetch(self, x: torch.Tensor, position_embeddings, past: int, valid: torch.Tensor, issued_at: int):
-        """Ask the selector, then start the gather of its rows into this layer's buffers."""
-        start = time.perf_counter()
-        selection = self.selecting.select(self.selecting.last_query(x, position_embeddings, self.device), past, valid)
-        self.record.speculated(time.perf_counter() - start)
-        self.record.issued(issued_at, past, selection)
-        out = self._room(selection.indices.shape[2])
-        rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self._rows_dtype, out=out)
-        # The compute thread waits on `rows` (a device transfer orders that thread's stream).
-        context = self.shared.context(self.tier.batch, past, self.device)
-        return Planned(rows, selection, float(fetched_fraction(selection, context)))
+        """Start this layer's transfer for the coming step: a read of every row (x, the input
+        that issued it, is a selector's; this layer needs none)."""
+        self._transfer = self._every_row_step(self.length, issued_at)
+        self.record.issued(issued_at, self.length, None)
 
     @property
     def _rows_dtype(self) -> torch.dtype:
@@ -498,13 +479,11 @@ class OffloadedLayer(SessionLayer):
 
     def _decode_rows(self, fetched: Fetched, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """What a decode step's `update` returns, given its rows, and the step `attend` takes."""
-        if self.selecting is None and self.shared.fetch_chunk > 0:  # the rest is read while attending
+        if self.shared.fetch_chunk > 0:  # the rest is read while attending
             self._step = Step(self._attend_chunks, past, fetched.rows)
             return key_states, value_states
-        if fetched.selection is None:  # every row: the model's own attention over them and the new token
-            return self._place(fetched.rows[0].shape[2], key_states, value_states)
-        self._step = Step(self._attend_selection, past, fetched.rows, fetched.selection, (key_states, value_states))
-        return fetched.rows
+        # every row: the model's own attention over them and the new token
+        return self._place(fetched.rows[0].shape[2], key_states, value_states)
 
     def _place(self, m: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """The new positions, written after the m rows read back (every row of the past, in the
@@ -534,8 +513,8 @@ class OffloadedLayer(SessionLayer):
         self.record.waited(fetched.waited)
         return fetched
 
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """The new positions go to the tier (made at the first update) and to the selector."""
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+        """The new positions go to the tier (made at the first update); returns which are real."""
         b, hkv, n, d = key_states.shape
         if self.tier is None:
             self.tier = self.shared.storage.new_tier(
@@ -543,9 +522,8 @@ class OffloadedLayer(SessionLayer):
             )
         new_valid = self.shared.positions.upto(b, self.length + n, key_states.device)[:, self.length :]
         self.tier.append(key_states, value_states, new_valid)
-        if self.selecting is not None:
-            self.selecting.append(key_states, new_valid)
         self.length += n
+        return new_valid
 
     # ------------------------------------------------------------------ attend
     def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -553,9 +531,6 @@ class OffloadedLayer(SessionLayer):
         if step is not None:
             return step.attend(step, query, key, value, attention_scaling(query, scaling)), None
         # the prefill, or every row read back: the model's own attention
-        if query.shape[2] > 1 and self.selecting is not None:  # the selector may want its weights
-            valid = self.shared.positions.upto(query.shape[0], key.shape[2], query.device)
-            self.selecting.prefill(PrefillAttention(query, key, valid, attention_scaling(query, scaling)))
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
     def _attend_chunks(self, step: Step, query, key, value, scaling: float) -> torch.Tensor:
@@ -569,6 +544,83 @@ class OffloadedLayer(SessionLayer):
         valid = None if is_all_valid(present) else present
         chunk = self.shared.fetch_chunk
         return attend_in_chunks(query, key, value, scaling, step.rows, step.past, chunk, issue, valid)
+
+    # ------------------------------------------------------------------ release
+    def close(self) -> None:
+        """Wait for the transfer in flight and release the tier (remove its file)."""
+        transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            try:
+                transfer.settle()
+            except Exception:
+                pass
+        if self.tier is not None:
+            self.stats.evictions, self.stats.pool_slots = self.pool_counts()
+            self.tier.close()
+            self.tier = None
+
+    def pool_counts(self) -> tuple[int, int]:
+        """(positions evicted, rows the capped host pool holds); zeros without a pool."""
+        if self.tier is None:
+            return self.stats.evictions, self.stats.pool_slots
+        slots = self.tier.capacity * self.tier.batch * self.tier.kv_heads if isinstance(self.tier, PooledTier) else 0
+        return self.tier.evictions, slots
+
+
+class SelectingLayer(OffloadedLayer):
+    """An offloaded layer whose selector chooses the rows each decode step reads: the choice
+    and the gather run on the prefetch thread when the selector can choose from the previous
+    layer's input; the selected rows are attended as stored, beside the step's own K and V;
+    the selector may top the choice up with the layer's own query, and sees the weights."""
+
+    def __init__(self, settings: OffloadSettings, shared: Shared, selector: Selector) -> None:
+        super().__init__(settings, shared)
+        self.selecting = LayerSelector(selector, settings.index, shared.storage.reserve)
+
+    def previous_input(self, x: torch.Tensor, position_embeddings) -> None:
+        """Issue ahead unless the selector needs this layer's own query (`own_input` then)."""
+        if self.selecting.query_from != "own":
+            super().previous_input(x, position_embeddings)
+
+    @torch.no_grad()
+    def issue(self, x: torch.Tensor, position_embeddings, issued_at: int) -> None:
+        """Issued ahead (from the previous layer's input), the selection and the fetch run on
+        the cache's prefetch thread while the compute thread goes on with the previous layer;
+        issued at the layer itself, they run now."""
+        past = self.length
+        valid = self.shared.valid(self.tier, past, self.device)
+        plan = functools.partial(self._select_and_fetch, x, position_embeddings, past, valid, issued_at)
+        self._transfer = Transfer.issue(plan, issued_at, self.shared.prefetch if issued_at < self.index else None)
+
+    @torch.no_grad()
+    def _select_and_fetch(self, x: torch.Tensor, position_embeddings, past: int, valid: torch.Tensor, issued_at: int):
+        """Ask the selector, then start the gather of its rows into this layer's buffers."""
+        start = time.perf_counter()
+        selection = self.selecting.select(self.selecting.last_query(x, position_embeddings, self.device), past, valid)
+        self.record.speculated(time.perf_counter() - start)
+        self.record.issued(issued_at, past, selection)
+        out = self._room(selection.indices.shape[2])
+        rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self._rows_dtype, out=out)
+        # The compute thread waits on `rows` (a device transfer orders that thread's stream).
+        context = self.shared.context(self.tier.batch, past, self.device)
+        return Planned(rows, selection, float(fetched_fraction(selection, context)))
+
+    def _decode_rows(self, fetched: Fetched, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The selected rows alone, as stored; the step's own K and V go to `attend` beside them."""
+        self._step = Step(self._attend_selection, past, fetched.rows, fetched.selection, (key_states, value_states))
+        return fetched.rows
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+        """The new positions go to the tier and their keys to the selector."""
+        new_valid = super()._append(key_states, value_states)
+        self.selecting.append(key_states, new_valid)
+        return new_valid
+
+    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if self._step is None and query.shape[2] > 1:  # a prefill: the selector may want its weights
+            valid = self.shared.positions.upto(query.shape[0], key.shape[2], query.device)
+            self.selecting.prefill(PrefillAttention(query, key, valid, attention_scaling(query, scaling)))
+        return super().attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
     def _attend_selection(self, step: Step, query, key, value, scaling: float) -> torch.Tensor:
         """Softmax over the selected rows (and any top-up) and the current token; the selector
@@ -608,27 +660,6 @@ class OffloadedLayer(SessionLayer):
         real = self.shared.positions.upto(query.shape[0], past, query.device)
         observer.on_attend(self.index, query, selection, keys, real, scaling)
 
-    # ------------------------------------------------------------------ release
-    def close(self) -> None:
-        """Wait for the transfer in flight and release the tier (remove its file)."""
-        transfer, self._transfer = self._transfer, None
-        if transfer is not None:
-            try:
-                transfer.settle()
-            except Exception:
-                pass
-        if self.tier is not None:
-            self.stats.evictions, self.stats.pool_slots = self.pool_counts()
-            self.tier.close()
-            self.tier = None
-
-    def pool_counts(self) -> tuple[int, int]:
-        """(positions evicted, rows the capped host pool holds); zeros without a pool."""
-        if self.tier is None:
-            return self.stats.evictions, self.stats.pool_slots
-        slots = self.tier.capacity * self.tier.batch * self.tier.kv_heads if isinstance(self.tier, PooledTier) else 0
-        return self.tier.evictions, slots
-
 
 class WindowLayer(OffloadedLayer):
     """A sliding-window layer whose KV lives in the slow tier (`windows_on_compute=False`): each
@@ -642,7 +673,7 @@ class WindowLayer(OffloadedLayer):
     is_sliding = True
 
     def __init__(self, settings: OffloadSettings, shared: Shared, window: int) -> None:
-        super().__init__(settings, shared, None)
+        super().__init__(settings, shared)
         if window < 1:
             raise ValueError(f"a sliding layer needs a window of at least 1 position, got {window}")
         self.window = window
