@@ -161,14 +161,14 @@ def test_kernel_refuses_a_group_wider_than_it_takes():
         kernels.select(keys, 10, torch.zeros(1, g, 4), None, "max", 1.0, 1.0, None, 1)
 
 
-def test_kernel_all_valid_view_equals_explicit_mask_and_honours_room():
+def test_kernel_all_valid_view_equals_explicit_mask_and_honours_capacity():
     keys, query, _ = _case(5, t=64, room=100, padded=False)
     full = torch.ones(2, 2, 64, dtype=torch.bool)
     a = kernels.select(keys, 64, query, None, "union", 3.0, 1.0, None, 2)
     b = kernels.select(keys, 64, query, full, "union", 3.0, 1.0, None, 2)
     ref, _ = _reference(keys, query, all_valid(2, 2, 64), 64, "union", 3.0, 1.0, None, 2)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[0], ref.indices)
-    with pytest.raises(ValueError, match="room"):
+    with pytest.raises(ValueError, match="capacity"):
         kernels.select(keys, 101, query, None, "union", 3.0, 1.0, None, 2)
 
 

@@ -35,9 +35,9 @@ def test_a_model_dispatched_with_a_split_device_map_decodes_as_the_plain_model(p
 def test_row_buffers_live_on_each_layers_device():
     tier = RamTier(1, 2, 8, torch.float16, TransferStats())
     buffers = RowBuffers()
-    cpu0 = buffers.room(0, tier, 10, torch.float32, "cpu")
-    meta2 = buffers.room(2, tier, 10, torch.float32, "meta")
-    cpu2 = buffers.room(2, tier, 4, torch.float32, "cpu")
+    cpu0 = buffers.pair(0, tier, 10, torch.float32, "cpu")
+    meta2 = buffers.pair(2, tier, 10, torch.float32, "meta")
+    cpu2 = buffers.pair(2, tier, 4, torch.float32, "cpu")
     assert cpu0[0].device.type == "cpu" and meta2[0].device.type == "meta"
     assert cpu2[0] is cpu0[0], "layers of one parity on one device share their pair"
-    assert buffers.room(1, tier, 10, torch.float32, "meta")[0] is not meta2[0]
+    assert buffers.pair(1, tier, 10, torch.float32, "meta")[0] is not meta2[0]

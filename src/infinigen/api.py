@@ -39,7 +39,7 @@ def attach(
     none); progress: show what calibration does."""
     config = config or InfiniGenConfig()
     calibrator = Calibrator(model, tokenizer, cache_dir, progress, given=skew)
-    if config.spec.selector != "infinigen":
+    if not config.spec.calibrated:
         return Session(model, config, tokenizer=tokenizer, source=calibrator, observer_for=recall_observer_for)
     config.check_layers(calibrator.adapter.num_layers)
     with calibrator.locked(config):

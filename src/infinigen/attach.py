@@ -87,7 +87,7 @@ class Session:
         self.folded = False
         self.config.check_layers(self.adapter.num_layers)
         self._threads = torch.get_num_threads()  # restored on detach; prefills always use them
-        if self.config.spec.selector == "infinigen" and artifact is None:
+        if self.config.spec.calibrated and artifact is None:
             raise ValueError("a session of the infinigen policy needs its skew artifact: use `infinigen.attach`")
         self.artifact = artifact
         if artifact is not None:
@@ -222,7 +222,7 @@ class Session:
     def selector_for(self, config: InfiniGenConfig) -> Selector | None:
         """The selector of `config` in this session (None for a policy that reads every row)."""
         config.check_layers(self.adapter.num_layers)
-        artifact = self._artifact_for(config) if config.spec.selector == "infinigen" else None
+        artifact = self._artifact_for(config) if config.spec.calibrated else None
         return make_selector(config, self.adapter, artifact, folded=self.folded)
 
     def hold(self, config: InfiniGenConfig, artifact: SkewArtifact) -> None:

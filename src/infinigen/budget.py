@@ -16,10 +16,11 @@ speed only); then InfiniGen's partial keys go to a lower precision (int8, then i
 `partial_format`). A request that does not fit even then is refused in one sentence (`MemoryBudgetError`), before any KV is
 computed.
 
-The default, `compute_memory="auto"`, is an aim rather than a limit: an offloading policy is
-planned within `infinigen.config.AUTO_SHARE` of dense's KV by the lossless steps alone (the partial keys keep
-the precision asked for), and where no lossless plan fits, the leanest one is taken and its changes
-say by how much it misses (a default never refuses a request the cache can serve).
+The default, `compute_memory="auto"`, is a target rather than a limit: an offloading policy is
+planned within `infinigen.config.AUTO_SHARE` of dense's KV by the steps that leave its output
+unchanged alone (the partial keys keep the precision asked for), and where none of those plans
+fits, the smallest is taken and its changes say by how much it misses (a default never refuses a
+request the cache can serve).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
     if budget is None:
         selector = selector_for(config)
         return Plan(config, selector, request, estimate(config, adapter, selector, request, compute_dtype), None, ())
-    tried = []  # (parts, the candidate at its leanest, its selector, the changes it made)
+    tried = []  # (parts, the candidate at its smallest, its selector, the changes it made)
     for candidate, changes in _candidates(config, adapter, lossy=not config.aims):
         selector = selector_for(candidate)
         size = functools.partial(
@@ -211,7 +212,7 @@ def plan(config, adapter, selector_for, request: Request, compute_dtype: torch.d
         return Plan(candidate, selector, request, size(candidate), budget, tuple(changes))
     least, lean, selector, changes = min(tried, key=lambda t: sum(t[0].values()))
     need = sum(least.values())
-    if config.aims:  # the default aim is no limit: the leanest lossless plan, and by how much it misses
+    if config.aims:  # the default target is no limit: the smallest plan that keeps the output, and the miss
         aim, least_share = 100 * budget / max(dense, 1), 100 * need / max(dense, 1)
         missed = f"aim {aim:.1f} % of dense's KV not met: at least {format_bytes(need)} = {least_share:.1f} %"
         return Plan(lean, selector, request, least, budget, (*_leaned(config, lean, changes), missed))
@@ -268,7 +269,7 @@ def _loosen(config, candidate, lean, changes: tuple[str, ...], fits: _Fits, posi
 
 
 def _leaned(config, lean, changes: tuple[str, ...]) -> tuple[str, ...]:
-    """The changes from `config` to `lean` (a candidate at its leanest), in the words `_loosen` uses."""
+    """The changes from `config` to `lean` (a candidate at its smallest), in the words `_loosen` uses."""
     changes = tuple(f"{c} of {lean.fetch_chunk} positions" if c == CHUNKED else c for c in changes)
     if lean.block_cache != config.block_cache:
         changes = (*changes, _block_cache_change(config, lean.block_cache))

@@ -53,8 +53,9 @@ from infinigen.validation import (
 )
 
 # ---------------------------------------------------------------------- policies
-# `compute_memory`'s default: an aim, not a limit. An offloading policy keeps at most this share of
-# dense's KV with the compute where a lossless plan can; the leanest lossless plan where none can.
+# `compute_memory`'s default: a target, not a limit. An offloading policy keeps at most this share of
+# dense's KV with the compute where it can without changing its output; where it cannot, it takes the
+# smallest plan that leaves its output unchanged.
 AUTO = "auto"
 AUTO_SHARE = "12.5%"
 _SIZE_OR_SHARE = size_or_share()
@@ -168,9 +169,9 @@ class InfiniGenConfig(*SELECTOR_KNOBS):
         "the most KV-related bytes kept next to the compute: a size (e.g. 512MiB) or a share of what dense "
         "keeps for the same batch and positions (e.g. 12.5%); the cache gives up block cache, then shrinks the "
         "disk's rounds of reads, then reads the dense layers from the tier in chunks, then the sliding "
-        "windows, then lowers partial-key precision, to fit, and refuses a request that cannot. auto (the default): an offloading policy aims at "
-        f"{AUTO_SHARE} of dense's KV with the lossless steps alone, and takes the leanest of them where that "
-        "share cannot be met (reported, not refused); none: no budget",
+        "windows, then lowers partial-key precision, to fit, and refuses a request that cannot. auto (the default): an "
+        f"offloading policy aims at {AUTO_SHARE} of dense's KV with the steps that leave its output unchanged, "
+        "and takes the smallest of them where that share cannot be met (reported, not refused); none: no budget",
         Rule(f"auto, or {_SIZE_OR_SHARE.text}", lambda v: v == AUTO or _SIZE_OR_SHARE.ok(v)),
     )
     measure_recall: bool = knob(

@@ -2,8 +2,8 @@
 
 Decode appends one position per step to many per-layer tensors (the KV with the compute, the
 partial keys, the oracle's key copy, Quest's page bounds). `torch.cat` re-copies the whole
-tensor each time, O(T) per step; this buffer writes in place and grows its room by a quarter
-(at least 64 positions) when full, so the copies still amortize to O(1) per append while the room
+tensor each time, O(T) per step; this buffer writes in place and grows its allocation by a quarter
+(at least 64 positions) when full, so the copies still amortize to O(1) per append while the space
 held beyond what is filled stays under a quarter: doubling would, at the first decode step after
 an 8K prefill, hold room for 16K positions. One implementation serves every such tensor.
 """
@@ -25,8 +25,8 @@ def grown_size(have: int, need: int, limit: int | None = None) -> int:
 class GrowingTensor:
     """`dim` grows; every other dimension is fixed by the first append.
 
-    capacity: room to allocate at the first append (at least what it holds); `fill`: the value
-    of room not written yet (what a reader of `full` sees there). `data` is a view of the
+    capacity: positions to allocate at the first append (at least what it holds); `fill`: the value
+    of allocated positions not written yet (what a reader of `full` sees there). `data` is a view of the
     filled part: valid until the next append that grows the buffer.
     """
 
@@ -42,12 +42,12 @@ class GrowingTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated (room included): what this buffer holds in memory."""
+        """Bytes allocated (spare capacity included): what this buffer holds in memory."""
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
     @property
     def full(self) -> torch.Tensor | None:
-        """The whole allocated buffer (room beyond `length` holds `fill`)."""
+        """The whole allocated buffer (positions beyond `length` hold `fill`)."""
         return self._buf
 
     def reserve(self, like: torch.Tensor, size: int) -> None:

@@ -215,7 +215,7 @@ class ComputeLayer(SessionLayer):
         return 2 * batch * kv_heads * positions * head_dim * dtype.itemsize
 
     def held_bytes(self) -> int:
-        """Its preallocated buffers (room to grow included)."""
+        """Its preallocated buffers (spare capacity included)."""
         return sum(t.nbytes for t in (self._k, self._v) if t is not None)
 
     def close(self) -> None:
@@ -431,11 +431,11 @@ class OffloadedLayer(SessionLayer):
         dtype (16 bits for 16-bit KV), widened a slice at a time while attended."""
         return self.tier.rows_dtype(self.dtype)
 
-    def _room(self, rows: int, second: bool = False, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self, rows: int, second: bool = False, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's transfer buffers with room for `rows` (see `RowBuffers`): `whole`, for
         every row of the past and the new token in the compute dtype (the model attends them)."""
         dtype = self.dtype if whole else self._rows_dtype
-        return self.shared.buffers.room(self.index, self.tier, rows, dtype, self.device, second, whole)
+        return self.shared.buffers.pair(self.index, self.tier, rows, dtype, self.device, second, whole)
 
     def _every_row_step(self, past: int, issued_at: int) -> Transfer:
         """A decode step's read of every row: the whole past at once, or its first chunk when
@@ -443,13 +443,13 @@ class OffloadedLayer(SessionLayer):
         chunk = self.shared.fetch_chunk
         if chunk <= 0:
             return Transfer.every_row(
-                self.tier, past, self.device, self.dtype, self._room(past + 1, whole=True), issued_at
+                self.tier, past, self.device, self.dtype, self._buffers(past + 1, whole=True), issued_at
             )
         return self._chunk(0, min(chunk, past), issued_at)
 
     def _chunk(self, start: int, stop: int, issued_at: int, second: bool = False) -> Transfer:
         """The read of positions [start, stop) into the first or second pair of buffers."""
-        out = self._room(stop - start, second)
+        out = self._buffers(stop - start, second)
         return Transfer.chunk(self.tier, start, stop, self.device, self._rows_dtype, out, issued_at)
 
     def _prefill_read(self, past: int) -> Transfer:
@@ -489,7 +489,7 @@ class OffloadedLayer(SessionLayer):
         """The new positions, written after the m rows read back (every row of the past, in the
         compute dtype), in the buffers they landed in: what transformers' `update` returns."""
         n = key_states.shape[2]
-        k_rows, v_rows = self._room(m + n, whole=True)  # the fetched rows are its first m slots already
+        k_rows, v_rows = self._buffers(m + n, whole=True)  # the fetched rows are its first m slots already
         k_rows[:, :, m : m + n] = key_states
         v_rows[:, :, m : m + n] = value_states
         return k_rows[:, :, : m + n], v_rows[:, :, : m + n]
@@ -599,7 +599,7 @@ class SelectingLayer(OffloadedLayer):
         selection = self.selecting.select(self.selecting.last_query(x, position_embeddings, self.device), past, valid)
         self.record.speculated(time.perf_counter() - start)
         self.record.issued(issued_at, past, selection)
-        out = self._room(selection.indices.shape[2])
+        out = self._buffers(selection.indices.shape[2])
         rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self._rows_dtype, out=out)
         # The compute thread waits on `rows` (a device transfer orders that thread's stream).
         context = self.shared.context(self.tier.batch, past, self.device)
@@ -689,7 +689,7 @@ class WindowLayer(OffloadedLayer):
 
     def _every_row_step(self, past: int, issued_at: int) -> Transfer:
         start = self._start(past)
-        out = self._room(past - start)
+        out = self._buffers(past - start)
         return Transfer.chunk(
             self.tier, start, past, self.device, self._rows_dtype, out, issued_at, (past - start) / max(past, 1)
         )

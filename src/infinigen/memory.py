@@ -35,7 +35,7 @@ class MemoryReport:
     """Bytes, at the moment it was taken. `parts` are with the compute (`PARTS`)."""
 
     parts: dict[str, int]
-    tier_kv_bytes: int  # the offloaded KV in the slow tier's medium (room to grow included)
+    tier_kv_bytes: int  # the offloaded KV in the slow tier's medium (spare capacity included)
     dense_kv_bytes: int  # what dense keeps for the same batch and positions, in the KV's storage dtype
     weight_bytes: int  # the model's parameters, apart
     selector_weight_bytes: int  # what the selector keeps per model (projections, query maps), apart

@@ -147,7 +147,7 @@ class RowBuffers:
         rows = sum(stored) + sum(second)
         return slot * (rows * rows_dtype.itemsize + sum(whole) * compute_dtype.itemsize)
 
-    def room(
+    def pair(
         self, layer: int, like: KVTier, rows: int, dtype, device, second: bool = False, whole: bool = False
     ) -> Rows:
         key = (layer % 2, second, whole, str(torch.device(device)))

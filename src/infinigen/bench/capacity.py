@@ -44,7 +44,7 @@ def fits(cfg, session, adapter, batch: int, positions: int, dtype) -> tuple[bool
     except MemoryBudgetError as exc:
         return False, str(exc), {}
     parts = dict(planned.parts)
-    if cfg.policy == "int4":  # the quantized KV itself stays with the compute
+    if cfg.spec.fmt == "int4":  # the quantized KV itself stays with the compute
         parts["quantized_kv"] = (
             batch
             * positions
@@ -160,7 +160,9 @@ def _measure(args, model, tok, rows: list[dict]) -> None:
                 "compute_parts": m["compute_parts"], "tier_kv_bytes": m["tier_kv_bytes"],
                 "bytes_read_per_token": m["bytes_read_per_token"], "fetched_fraction": m["fetched_fraction"],
             })  # fmt: skip
-            if r["policy"] == "int4":  # its packed KV (the "tier", host RAM) is the KV kept with the compute
+            if (
+                POLICIES[r["policy"]].fmt == "int4"
+            ):  # its packed KV (the "tier", host RAM) is the KV kept with the compute
                 r["compute_parts"] = {**r["compute_parts"], "quantized_kv": m["tier_kv_bytes"]}
                 r["compute_kv_bytes"] += m["tier_kv_bytes"]
             bar.update(1)

@@ -159,11 +159,11 @@ def _library_for_codes(codes: torch.Tensor, scales: torch.Tensor) -> ctypes.CDLL
     lib = library()
     if lib is None:
         raise RuntimeError(f"the C selection kernel is unavailable: {_why_not}")
-    b, hkv, _, room = codes.shape
+    b, hkv, _, capacity = codes.shape
     if codes.dtype not in CODE_FORMATS or not codes.is_contiguous() or codes.device.type != "cpu":
         raise ValueError("codes must be a contiguous int8 or uint8 CPU tensor")
-    if scales.dtype != torch.float16 or not scales.is_contiguous() or tuple(scales.shape) != (b, hkv, 1, room):
-        raise ValueError(f"scales must be a contiguous float16 [{b}, {hkv}, 1, {room}] tensor")
+    if scales.dtype != torch.float16 or not scales.is_contiguous() or tuple(scales.shape) != (b, hkv, 1, capacity):
+        raise ValueError(f"scales must be a contiguous float16 [{b}, {hkv}, 1, {capacity}] tensor")
     return lib
 
 
@@ -272,7 +272,7 @@ def select(
     query: [B, H, c] partial queries already multiplied by the attention scaling;
     valid: [B, Hkv, length] bool, or None when every position exists;
     scales: for quantized keys (int8 codes [B, Hkv, c, >= length], or uint8 [B, Hkv, c/2, >= length]
-          holding two 4-bit codes per byte), the per-position scales [B, Hkv, 1, same room] float16;
+          holding two 4-bit codes per byte), the per-position scales [B, Hkv, 1, same capacity] float16;
           the per-channel scales are already folded into `query`;
     bias: [B, H] added to every score of a query head (for centered codes: the query against the
           channel means), or None;
@@ -327,7 +327,7 @@ class _Call:
         scales: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
     ) -> None:
-        b, hkv, stored, room = keys.shape
+        b, hkv, stored, capacity = keys.shape
         if scales is None:
             self.lib, fmt, c = _library_for(keys), KEY_FORMATS[keys.dtype], stored
         else:
@@ -335,8 +335,8 @@ class _Call:
             if c != (stored if keys.dtype == torch.int8 else 2 * stored):
                 raise ValueError(f"a query of {c} channels for codes of {stored} rows ({keys.dtype})")
         g = query.shape[1] // hkv
-        if not 0 <= length <= room:
-            raise ValueError(f"length {length} exceeds the keys' room {room}")
+        if not 0 <= length <= capacity:
+            raise ValueError(f"length {length} exceeds the keys' capacity {capacity}")
         self.shape, self.rows = (b, hkv), b * hkv
         self._keep = [query.to(torch.float32).reshape(self.rows, g, c).contiguous()]
         bias_ptr = None
@@ -356,7 +356,7 @@ class _Call:
         scratch.append(torch.empty_like(scratch[1]))
         self._keep += scratch
         self.head = (
-            keys.data_ptr(), fmt, stored * room, room, None if scales is None else scales.data_ptr(),
+            keys.data_ptr(), fmt, stored * capacity, capacity, None if scales is None else scales.data_ptr(),
             self._keep[0].data_ptr(), bias_ptr, self.rows, g, c, length, None if vmask is None else vmask.data_ptr(),
         )  # fmt: skip
         self.tail = (*(t.data_ptr() for t in scratch), self.out.data_ptr(), self.counts.data_ptr())

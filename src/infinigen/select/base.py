@@ -40,7 +40,8 @@ class PolicySpec:
     of the speculated layers, or None (every row, every step); fmt: ``native`` or ``int4``;
     default_budget: the fraction of the context it reads when no `budget` is given; summary:
     what it does, in one line; bound: True for an upper bound on quality rather than a system
-    (it reads more than it counts in order to choose), whose speed nothing models or plans."""
+    (it reads more than it counts in order to choose), whose speed nothing models or plans;
+    calibrated: its selector reads a skew artifact calibrated once per model."""
 
     placement: str
     selector: str | None
@@ -48,6 +49,7 @@ class PolicySpec:
     default_budget: float = 1.0
     summary: str = ""
     bound: bool = False
+    calibrated: bool = False
 
 
 SELECTING_BUDGET = 0.1  # the budget of every selecting policy unless one is given: 10 % of the context
@@ -166,9 +168,9 @@ class Selector:
             rows = min(rows, k.budget_tokens)
         return max(rows, getattr(k, "min_tokens", 1))
 
-    def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
-        """What its state of `layer` holds with the compute at `positions` for `batch` rows (`room`:
-        the positions a buffer grown by a quarter reaches); `budget.estimate` plans with it."""
+    def state_bytes(self, layer: int, batch: int, positions: int, capacity: int, kv_dtype: torch.dtype) -> int:
+        """What its state of `layer` holds with the compute at `positions` for `batch` rows (`capacity`:
+        the positions its growing buffers are allocated for); `budget.estimate` plans with it."""
         return 0
 
     def weight_bytes(self) -> int:
@@ -184,7 +186,7 @@ class Selector:
 
 def held_bytes(state: Any) -> int:
     """Bytes a layer's selector state keeps with the compute (partial keys, page bounds,
-    accumulated attention), room to grow included: every state is a small object whose
+    accumulated attention), spare capacity included: every state is a small object whose
     attributes are tensors or growing buffers. Reported by `summary()`."""
     if state is None:
         return 0

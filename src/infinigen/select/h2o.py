@@ -55,7 +55,7 @@ class H2OSelector(Selector):
         "offload", "h2o", default_budget=SELECTING_BUDGET, summary="heavy hitters plus recent; evicted for good"
     )
 
-    def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
+    def state_bytes(self, layer: int, batch: int, positions: int, capacity: int, kv_dtype: torch.dtype) -> int:
         return batch * self.adapter.num_kv_heads * positions * 5  # float32 scores, bool kept
 
     def new_state(self, layer_idx) -> HeavyHitters:

@@ -181,6 +181,7 @@ class InfiniGenSelector(Selector):
         "infinigen",
         default_budget=SELECTING_BUDGET,
         summary="speculated one layer ahead from partial keys; the top of each layer's budget",
+        calibrated=True,
     )
 
     def __init__(
@@ -305,10 +306,10 @@ class InfiniGenSelector(Selector):
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
         return q_part.to(torch.float32) * self.adapter.scaling(layer)
 
-    def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
+    def state_bytes(self, layer: int, batch: int, positions: int, capacity: int, kv_dtype: torch.dtype) -> int:
         c, fmt = self.channels(layer), self.knobs.partial_format
         itemsize = torch.empty((), dtype=self.kv_dtype or kv_dtype).element_size()
-        per_row = room * partial_bytes_per_position(fmt, c, itemsize) + (0 if fmt == "kv" else 8 * c)  # + mu, sigma
+        per_row = capacity * partial_bytes_per_position(fmt, c, itemsize) + (0 if fmt == "kv" else 8 * c)  # + mu, sigma
         return batch * self.adapter.num_kv_heads * per_row
 
     def weight_bytes(self) -> int:

@@ -58,8 +58,8 @@ class OracleSelector(Selector):
     )
     query_from = "own"
 
-    def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
-        return batch * self.adapter.num_kv_heads * room * self.adapter.head_dim * 4  # the keys, as computed (fp32)
+    def state_bytes(self, layer: int, batch: int, positions: int, capacity: int, kv_dtype: torch.dtype) -> int:
+        return batch * self.adapter.num_kv_heads * capacity * self.adapter.head_dim * 4  # the keys, as computed (fp32)
 
     def new_state(self, layer_idx):
         return KeyCopy()

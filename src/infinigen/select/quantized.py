@@ -61,7 +61,7 @@ class QuantizedPartialKeys:
         codes, scales = quantize(centered, self.sigma, self.fmt)
         self.codes.append(codes)
         self.scales.append(scales)
-        assert self.codes.full.shape[-1] == self.scales.full.shape[-1]  # one room: the kernel's one stride
+        assert self.codes.full.shape[-1] == self.scales.full.shape[-1]  # one capacity: the kernel's one stride
 
     def keys(self, length: int) -> torch.Tensor:
         """The first `length` positions dequantized, [B, Hkv, length, c] float32 (the reference)."""

@@ -52,7 +52,7 @@ class QuestSelector(Selector):
         page = self.knobs.page_tokens
         return (-(-super().max_rows(layer, positions) // page) + 1) * page  # whole pages, a partial one included
 
-    def state_bytes(self, layer: int, batch: int, positions: int, room: int, kv_dtype: torch.dtype) -> int:
+    def state_bytes(self, layer: int, batch: int, positions: int, capacity: int, kv_dtype: torch.dtype) -> int:
         pages = -(-positions // self.knobs.page_tokens)
         bounds = 2 * batch * self.adapter.num_kv_heads * pages * self.adapter.head_dim * 4  # float32 low, high
         return bounds + batch * pages * 8  # + real positions per page (int64)

@@ -229,7 +229,7 @@ class KVTier(ABC):
 
     # ------------------------------------------------------------------ memory (infinigen.memory)
     def stored_bytes(self) -> int:
-        """Bytes this layer's KV takes in the tier's medium (room to grow included)."""
+        """Bytes this layer's KV takes in the tier's medium (spare capacity included)."""
         return 0
 
     def beside_compute(self) -> dict[str, int]:
@@ -313,8 +313,8 @@ def scatter_rows(
         return k, v
     k, v = prefix_views(out, n)
     if out[0].is_contiguous() and out[1].is_contiguous():
-        room = out[0].shape[2]  # one linear index per row: a row copy, not a 3-index scatter
-        dest = ((flat[0] * h + flat[1]) * room + flat[2]).to(device)
+        capacity = out[0].shape[2]  # one linear index per row: a row copy, not a 3-index scatter
+        dest = ((flat[0] * h + flat[1]) * capacity + flat[2]).to(device)
         out[0].view(-1, d).index_copy_(0, dest, rows_k.to(device, dtype))
         out[1].view(-1, d).index_copy_(0, dest, rows_v.to(device, dtype))
     else:
@@ -326,8 +326,8 @@ def scatter_rows(
 def grown_rows(
     pair: tuple[torch.Tensor, torch.Tensor], length: int, need: int, empty
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [B, Hkv, room, d] with room for `need` positions by the one growth rule
-    (`growing.grown_size`), the first `length` kept; `pair` itself when it has the room.
+    """K and V [B, Hkv, capacity, d] with space for `need` positions by the one growth rule
+    (`growing.grown_size`), the first `length` kept; `pair` itself when it has the space.
     `empty(shape)` allocates a tensor of the tier's kind (plain or page-locked memory)."""
     k, v = pair
     if need <= k.shape[2]:

@@ -121,10 +121,10 @@ class ReadPlan:
         cost = self.round_costs(offsets, tail_at)
         cum = np.cumsum(cost)
         starts = np.flatnonzero(cost)  # the rows that open a block
-        room = read_chunk - self.layout.block  # a round's first row opens its first block
+        left = read_chunk - self.layout.block  # a round's first row opens its first block
         first, m = 0, len(offsets)
         while first < m:
-            end = int(np.searchsorted(cum, cum[first] + room, side="right"))
+            end = int(np.searchsorted(cum, cum[first] + left, side="right"))
             if end < m and cost[end] == 0:  # do not split a block: end the round where it starts
                 opener = starts[np.searchsorted(starts, end, side="right") - 1] if len(starts) else 0
                 end = int(opener) if opener > first else end

@@ -100,8 +100,8 @@ class PinnedTier(KVTier):
         pos = indices.to("cpu")[flat]
         m = int(pos.numel())
         self._host_ready()
-        room = self._k.shape[2]
-        source = (flat[0] * self.kv_heads + flat[1]) * room + pos
+        capacity = self._k.shape[2]
+        source = (flat[0] * self.kv_heads + flat[1]) * capacity + pos
         key = ("gather", _buffer_key(out))
         stage_k, stage_v = self.engine.staging(key, m, d, self.dtype)
         torch.index_select(self._k.view(-1, d), 0, source, out=stage_k[:m])

@@ -46,8 +46,8 @@ class RamTier(KVTier):
         start = time.perf_counter()
         flat = valid.nonzero(as_tuple=True)  # (b, h, slot) of the rows that move
         pos = indices[flat]
-        room = self._k.shape[2]
-        source = (flat[0] * self.kv_heads + flat[1]) * room + pos  # one linear index per row
+        capacity = self._k.shape[2]
+        source = (flat[0] * self.kv_heads + flat[1]) * capacity + pos  # one linear index per row
         k, v = scatter_rows(
             flat,
             self._k.view(-1, self.head_dim).index_select(0, source),
