@@ -606,7 +606,10 @@ class SelectingLayer(OffloadedLayer):
         return Planned(rows, selection, float(fetched_fraction(selection, context)))
 
     def _decode_rows(self, fetched: Fetched, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """The selected rows alone, as stored; the step's own K and V go to `attend` beside them."""
+        """The selected rows alone, as stored; the step's own K and V go to `attend` beside them.
+        A step nobody issued (the cache driven without a session's hooks) read every row."""
+        if fetched.selection is None:
+            return super()._decode_rows(fetched, past, key_states, value_states)
         self._step = Step(self._attend_selection, past, fetched.rows, fetched.selection, (key_states, value_states))
         return fetched.rows
 
