@@ -3,10 +3,12 @@ sliding-window layers keep as the cache counts it (in the KV's storage dtype), b
 
 import json
 
+import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from conftest import _HYBRID, WINDOW, _byte_tokenizer, run_cli
+from infinigen.bench.decode import add_floors
 
 
 def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys):
@@ -38,6 +40,9 @@ def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys
     assert rows["dense-hf"]["local_kv_bytes"] == local * window * 4  # transformers' cache: as computed
     assert all(r["correction_ms_per_step"] == 0.0 for r in rows.values())  # nothing here tops up
     assert rows["dense-hf"]["plan"] is None and rows["full"]["plan"]["compute_memory"] == "auto"  # the default aim
+    for r in rows.values():  # every row knows its bound
+        assert 0 <= r["compute_floor_ms"] <= r["step_ms_mean"] and 0 < r["efficiency"] <= 1
+    assert rows["dense"]["read_floor_ms"] == 0.0 and rows["full"]["read_floor_ms"] > 0
     rc, said, err = run_cli(
         capsys, "bench", "decode", "--model", str(folder), "--contexts", "64", "--batches", "2", "--steps", "2",
         "--policies", "full", "--compute-memory", "1000%", "--out", str(out),
@@ -49,3 +54,24 @@ def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys
     assert (
         row["compute_kv_bytes"] <= row["plan"]["compute_memory_bytes"] <= 11 * row["dense_kv_bytes"]
     )  # planned: +1 position
+
+
+def test_floors_are_the_step_less_its_waits_and_its_bytes_at_full_fetchs_rate():
+    full = {
+        "batch": 2, "bytes_read_per_token": 1000.0, "bytes_from_ram_per_token": 0.0, "transfer_ms_per_step": 4.0,
+        "step_ms_mean": 10.0, "wait_ms_per_step": 6.0, "correction_ms_per_step": 0.0,
+    }  # fmt: skip
+    row = {
+        "batch": 2, "bytes_read_per_token": 300.0, "bytes_from_ram_per_token": 50.0, "transfer_ms_per_step": 3.0,
+        "step_ms_mean": 8.0, "wait_ms_per_step": 1.0, "correction_ms_per_step": 2.0,
+    }  # fmt: skip
+    add_floors(row, full)
+    # full fetch read 2 x 1000 bytes in 4 ms of transfers: 500 bytes a ms; the row reads (300 - 50) x 2 bytes
+    assert row["read_floor_ms"] == pytest.approx(1.0)
+    assert row["compute_floor_ms"] == pytest.approx(5.0)  # 8 - 1 waited - 2 correcting
+    assert row["efficiency"] == pytest.approx(5.0 / 8.0)
+    add_floors(full, full)
+    assert full["read_floor_ms"] == pytest.approx(4.0) and full["efficiency"] == pytest.approx(0.4)
+    alone = dict(row)
+    add_floors(alone, None)  # no full fetch in the run: no read floor
+    assert alone["read_floor_ms"] is None and alone["efficiency"] == pytest.approx(5.0 / 8.0)

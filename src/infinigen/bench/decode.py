@@ -212,6 +212,10 @@ def run_child(args: argparse.Namespace) -> dict:
         "correction_pct": 100 * s["correction_seconds"] / sum(step_times) if step_times else 0.0,
         "correction_bytes_per_token": s["correction_bytes"] / tokens_total if not dense else 0.0,
         "wait_ms_per_step": 1000 * s["wait_seconds"] / steps,
+        # every step, the first included, as the waits and the transfers are counted
+        "step_ms_mean": 1000 * sum(step_times) / steps,
+        # the time the tier spent delivering rows (reads and unpacking, beside the compute)
+        "transfer_ms_per_step": 0.0 if hf_dense else 1000 * cache.storage.stats.seconds / steps,
         "wait_pct": 100 * s["wait_seconds"] / sum(step_times) if step_times else 0.0,
         "wait_ms_per_layer": [1000 * p["wait_seconds"] / steps for p in s["per_layer"]],
         "peak_rss_bytes": peak,
@@ -257,7 +261,8 @@ def _prompt_ids(tok, context: int) -> torch.Tensor:
 def _fmt_table(rows: list[dict]) -> str:
     head = (
         f"{'policy':>10} {'ctx':>5} {'B':>2} {'tok/s':>8} {'x full':>7} {'x dense':>8} {'tier MiB':>8} {'cache MiB':>9} "
-        f"{'reads':>6} {'ampl':>5} {'fetched':>8} {'spec ms':>8} {'wait %':>7} {'peak RSS':>9} {'local KV':>9} "
+        f"{'reads':>6} {'ampl':>5} {'fetched':>8} {'spec ms':>8} {'wait %':>7} {'floors ms':>11} {'eff':>5} "
+        f"{'peak RSS':>9} {'local KV':>9} "
         f"{'selector':>9} {'with compute':>12} {'% dense KV':>10}"
     )
     out = [head, "-" * len(head)]
@@ -265,11 +270,15 @@ def _fmt_table(rows: list[dict]) -> str:
         amp = "-" if r["read_amplification"] is None else f"{r['read_amplification']:.2f}"
         frac = "-" if r["fetched_fraction"] is None else f"{100 * r['fetched_fraction']:.1f}%"
         disk = (r["bytes_read_per_token"] - r["bytes_from_ram_per_token"]) / 2**20
+        read = "-" if r.get("read_floor_ms") is None else f"{r['read_floor_ms']:.0f}"
+        floors = f"{read}/{r['compute_floor_ms']:.0f}" if "compute_floor_ms" in r else "-"
+        eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"
         out.append(
             f"{r['policy']:>10} {r['context']:>5} {r['batch']:>2} {r['tokens_per_s']:>8.2f} "
             f"{r.get('x_full', float('nan')):>7.2f} {r.get('x_dense', float('nan')):>8.2f} "
             f"{disk:>8.2f} {r['bytes_from_ram_per_token'] / 2**20:>9.2f} {r['reads_per_token']:>6.0f} {amp:>5} "
-            f"{frac:>8} {r['speculation_ms_per_step']:>8.1f} {r['wait_pct']:>7.1f} {r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
+            f"{frac:>8} {r['speculation_ms_per_step']:>8.1f} {r['wait_pct']:>7.1f} {floors:>11} {eff:>5} "
+            f"{r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
             f"{r.get('local_kv_bytes', 0) / 2**20:>7.1f}Mi {r.get('selector_bytes', 0) / 2**20:>7.1f}Mi "
             f"{r['compute_kv_bytes'] / 2**20:>10.1f}Mi {100 * r['compute_kv_bytes'] / r['dense_kv_bytes']:>9.1f}%"
         )
@@ -398,6 +407,26 @@ def _run_child(
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def add_floors(row: dict, full: dict | None) -> None:
+    """A row's bounds (`docs/usage.md`): its compute floor, the step with its waits and its
+    correction taken out (transfers free); its read floor, its bytes from the tier at the rate
+    full fetch read them in the same run (`full`: full fetch's row of the same context and
+    batch; None: unknown); and its efficiency, the larger floor over its step."""
+    step = row["step_ms_mean"]
+    row["compute_floor_ms"] = max(step - row["wait_ms_per_step"] - row["correction_ms_per_step"], 0.0)
+    row["read_floor_ms"] = None
+    if full is not None and full["transfer_ms_per_step"] > 0:
+        rate = _tier_bytes_per_step(full) / full["transfer_ms_per_step"]  # bytes per ms
+        row["read_floor_ms"] = _tier_bytes_per_step(row) / rate
+    floor = max(row["compute_floor_ms"], row["read_floor_ms"] or 0.0)
+    row["efficiency"] = floor / step if step > 0 else None
+
+
+def _tier_bytes_per_step(row: dict) -> float:
+    """Bytes a step read from the tier's medium (what came from RAM in front of it left out)."""
+    return (row["bytes_read_per_token"] - row["bytes_from_ram_per_token"]) * row["batch"]
+
+
 def _median_run(runs: list[dict]) -> dict:
     """The run with the median tokens/s, with every run's tokens/s alongside."""
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
@@ -457,6 +486,7 @@ def run_parent(args: argparse.Namespace) -> int:
     bar.close()
     for r in rows:
         same = {q["policy"]: q for q in rows if q["context"] == r["context"] and q["batch"] == r["batch"]}
+        add_floors(r, same.get("full"))
         if "full" in same:
             r["x_full"] = r["tokens_per_s"] / same["full"]["tokens_per_s"]
         dense = [same[p] for p in ("dense", HF_DENSE) if p in same]
@@ -484,7 +514,7 @@ def run_parent(args: argparse.Namespace) -> int:
         "faster of dense (preallocated) and dense-hf (DynamicCache). Per token: 'tier MiB' read from the slow "
         "tier's medium (the disk; host RAM for the ram tier), read amplification included; 'cache MiB' served "
         "from RAM in front of the disk (unwritten tail blocks, block cache); 'reads' disk read requests. 'spec ms': selection time per step, on the prefetch thread; "
-        "'wait %': share of the step the compute waited on transfers; 'local KV': what the sliding-window layers keep with the compute (0 where their windows are read back from the tier, each step's window then in the tier columns); 'selector': what the selection keeps with the compute (InfiniGen's partial keys in their `partial_format`, room to grow included; Quest's page bounds; H2O's scores). Measured on this machine, not modelled."
+        "'wait %': share of the step the compute waited on transfers; 'floors ms': read/compute floor of a step (read: its tier bytes at the rate full fetch's transfers read in this run; compute: the step less its waits and its correction), 'eff': the larger floor over the mean step; 'local KV': what the sliding-window layers keep with the compute (0 where their windows are read back from the tier, each step's window then in the tier columns); 'selector': what the selection keeps with the compute (InfiniGen's partial keys in their `partial_format`, room to grow included; Quest's page bounds; H2O's scores). Measured on this machine, not modelled."
     )
     print(table)
     print(note)
