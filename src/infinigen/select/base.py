@@ -63,8 +63,8 @@ class SelectionBudget(Validated):
     budget: float | None = knob(
         None,
         "fraction of the context fetched per step (the one knob): for infinigen the mean over the speculated "
-        "layers, spread by `allocation` (and a cap on what passes alpha when alpha is set), for "
-        f"h2o/streaming/quest/oracle what they keep (default {SELECTING_BUDGET:g})",
+        "layers, spread by `allocation` (and a cap on what passes alpha when alpha is set), for the other "
+        f"selecting policies what they keep (default {SELECTING_BUDGET:g})",
         fraction(),
     )
     budget_tokens: int | None = knob(None, "cap on the fetched positions per KV head", at_least(1))
