@@ -203,6 +203,8 @@ INFINIGEN_KNOBS = (
     "calibration_tokens",
     "min_tokens",
     "block_tokens",
+    "unit_score",
+    "unit_heads",
     "layer_alpha",
     "allocation",
     "channel_allocation",

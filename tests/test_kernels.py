@@ -89,24 +89,57 @@ def test_kernel_equals_tensor_path(agg, setting, t, padded):
         assert not idx[~slots].any()  # padding slots hold 0
 
 
-@pytest.mark.parametrize("agg", ["union", "max"])
+@pytest.mark.parametrize("agg,rule", [("union", "max"), ("max", "max"), ("max", "top2"), ("union", "top2")])
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("t", [1, 9, 40, 300])
 @pytest.mark.parametrize("block", [2, 5, 16])
-def test_kernel_block_selection_equals_tensor_path(agg, setting, t, block):
-    """Aligned blocks (a block scores its best valid position; budget, cap and floor count
-    blocks): the same positions as `speculate.select_blocks`, compact and ascending."""
+def test_kernel_block_selection_equals_tensor_path(agg, rule, setting, t, block):
+    """Aligned units (scored by their best valid position, or the mean of their two best;
+    budget, cap and floor count units): the same positions as `speculate.select_blocks`,
+    compact and ascending."""
     alpha, budget, budget_tokens, min_tokens = setting
     for seed in range(3):
         keys, query, valid = _case(seed, t=t)
         kp = keys[..., :t].transpose(-1, -2)
         g = aggregate_group(partial_scores(query, kp, 1.0), valid, keys.shape[1], agg)
-        ref = select_blocks(g, valid, block, alpha, budget, budget_tokens, min_tokens)
-        idx, counts = kernels.select(keys, t, query, valid, agg, alpha, budget, budget_tokens, min_tokens, block=block)
+        ref = select_blocks(g, valid, block, alpha, budget, budget_tokens, min_tokens, rule)
+        idx, counts = kernels.select(
+            keys, t, query, valid, agg, alpha, budget, budget_tokens, min_tokens, block=block, unit_score=rule
+        )
         for b in range(valid.shape[0]):
             for h in range(valid.shape[1]):
                 want = sorted(int(p) for p, v in zip(ref.indices[b, h], ref.valid[b, h]) if v)
                 assert idx[b, h, : counts[b, h]].tolist() == want
+
+
+@pytest.mark.parametrize("agg", ["max", "mass"])
+@pytest.mark.parametrize("block", [4, 16])
+def test_kernel_units_by_mass_are_the_best_units_up_to_rounding(agg, block):
+    """Units scored by their mass (logsumexp, in double in the kernel, float in the tensor
+    path): every unit the kernel chooses scores, by the tensor path's rule, at least as well as
+    every unit it leaves, up to rounding; and it chooses as many units."""
+    from infinigen.speculate import unit_scores
+
+    t, budget = 700, 0.1
+    for seed in range(4):
+        keys, query, valid = _case(seed, t=t)
+        keys = keys * 0.37  # a spread of distinct values
+        kp = keys[..., :t].transpose(-1, -2)
+        g = aggregate_group(partial_scores(query, kp, 1.0), valid, keys.shape[1], agg)
+        scores, unit_ok = unit_scores(g, valid, block, "mass")
+        want = select_blocks(g, valid, block, math.inf, budget, None, 1, "mass")
+        idx, counts = kernels.select(
+            keys, t, query, valid, agg, math.inf, budget, None, 1, block=block, unit_score="mass"
+        )
+        for b in range(valid.shape[0]):
+            for h in range(valid.shape[1]):
+                got = {int(p) // block for p in idx[b, h, : counts[b, h]]}
+                ref = {int(p) // block for p, v in zip(want.indices[b, h], want.valid[b, h]) if v}
+                assert len(got) == len(ref)
+                left = [u for u in range(scores.shape[-1]) if u not in got and unit_ok[b, h, u]]
+                worst_in = min(scores[b, h, u].item() for u in got)
+                best_out = max((scores[b, h, u].item() for u in left), default=-math.inf)
+                assert worst_in >= best_out - 1e-4
 
 
 @pytest.mark.parametrize("t", [200, 5000])

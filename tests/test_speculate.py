@@ -252,3 +252,60 @@ def test_prefill_column_sums_match_the_full_softmax(q_len, chunk):
     probs = probs * valid[:, k_len - q_len :][:, None, :, None]
     want = probs.sum(2).reshape(b, hkv, group, k_len).sum(2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _unit_score(values: list[float], rule: str) -> float:
+    """A unit's score from its valid rows' scores, written plainly (speculate.unit_scores)."""
+    if not values:
+        return -math.inf
+    best = sorted(values, reverse=True)
+    if rule == "max":
+        return best[0]
+    if rule == "top2":
+        return (best[0] + best[1]) / 2 if len(best) > 1 else best[0]
+    top = best[0]
+    return top + math.log(sum(math.exp(v - top) for v in values))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rule", ["max", "mass", "top2"])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("block", [1, 4, 5])
+def test_units_are_chosen_by_their_rule_and_read_whole(seed, rule, shared, block):
+    """Units scored by max, mass or top-2 of their rows, each KV head's own or one choice for a
+    token's heads (heads' scores as log-probabilities first): the chosen units are the best by a
+    plain reference of the rule, and every valid row of a chosen unit is selected."""
+    from infinigen.speculate import select_blocks
+
+    scores, valid, hkv = random_case(seed, t=37)
+    g = aggregate_group(scores, valid, hkv, "max")
+    budget, budget_tokens, min_tokens = 0.3, 40, 6
+    sel = select_blocks(g, valid, block, math.inf, budget, budget_tokens, min_tokens, rule, shared)
+    t = g.shape[-1]
+    units = [list(range(s, min(s + block, t))) for s in range(0, t, block)]
+    for b in range(g.shape[0]):
+        if shared:
+            logp = torch.log_softmax(g[b].masked_fill(~valid[b], -math.inf), -1)
+            rows = [[(k, p) for k in range(hkv) for p in unit if valid[b, k, p]] for unit in units]
+            unit_s = [_unit_score([logp[k, p].item() for k, p in r], rule) for r in rows]
+            chosen = brute_select(
+                unit_s, [bool(r) for r in rows], math.inf, budget, max(1, budget_tokens // block),
+                -(-min_tokens // block),
+            )  # fmt: skip
+            wants = [{p for i in chosen for p in units[i] if valid[b, k, p]} for k in range(hkv)]
+        else:
+            wants = []
+            for k in range(hkv):
+                rows = [[g[b, k, p].item() for p in unit if valid[b, k, p]] for unit in units]
+                unit_s = [_unit_score(r, rule) for r in rows]
+                chosen = brute_select(
+                    unit_s, [bool(r) for r in rows], math.inf, budget, max(1, budget_tokens // block),
+                    -(-min_tokens // block),
+                )  # fmt: skip
+                wants.append({p for i in chosen for p in units[i] if valid[b, k, p]})
+        for k in range(hkv):
+            got = {int(p) for p, v in zip(sel.indices[b, k], sel.valid[b, k]) if v}
+            assert got == wants[k]
+        if shared:  # one choice: every head holds the same positions wherever they are valid
+            both = [{p for p in wants[k] if all(valid[b, j, p] for j in range(hkv))} for k in range(hkv)]
+            assert all(s == both[0] for s in both)

@@ -36,7 +36,7 @@ import torch
 from infinigen.roles import Role
 from infinigen.select import SELECTORS
 from infinigen.select.base import SELECTING_BUDGET as SELECTING_BUDGET  # declared with the selectors; named here too
-from infinigen.select.base import PolicySpec, SelectionBudget
+from infinigen.select.base import PolicySpec, UnitSelection
 from infinigen.select.infinigen import SpeculationKnobs as SpeculationKnobs  # likewise (calibration reads it)
 from infinigen.storage import COPY_ENGINES, EVICTIONS, TIERS, check_combination
 from infinigen.validation import (
@@ -81,7 +81,7 @@ def _selector_knobs() -> tuple[type, ...]:
     `InfiniGenConfig`. A knob two selectors declare apart would be one flat setting with two
     meanings: refused here, when the package is imported."""
     classes = tuple(dict.fromkeys(cls.Knobs for cls in SELECTORS.values()))
-    shared = {f.name for f in fields(SelectionBudget)}
+    shared = {f.name for f in fields(UnitSelection)}  # SelectionBudget's and the units'
     owner: dict[str, str] = {}
     for cls in classes:
         for f in fields(cls):

@@ -229,6 +229,54 @@ def selection_mask(selection: Selection, length: int) -> torch.Tensor:
     return mask[..., :length]
 
 
+UNIT_SCORES = ("max", "mass", "top2")  # how a unit of positions is scored from its positions' scores
+UNIT_HEADS = ("own", "shared")  # each KV head chooses its units, or one choice for a token's heads
+
+
+def unit_scores(
+    group_scores: torch.Tensor, valid: torch.Tensor, block: int, rule: str = "max", shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each aligned unit of `block` positions scored from its valid positions' scores, and
+    whether it holds one: ([B, Hkv, nb], [B, Hkv, nb]), or [B, 1, nb] each when `shared`.
+
+    max:  its best position (a unit is worth reading if one row in it is);
+    mass: the log of its summed estimated attention, logsumexp (what attending it captures);
+    top2: the mean of its two best positions (one outlier does not carry a unit).
+    shared: one score per token range over every KV head's positions; the scores are turned
+    into log-probabilities per head first, so that no head's scale dominates.
+    """
+    b, hkv, t = group_scores.shape
+    nb = -(-t // block)
+    pad = nb * block - t
+    g = group_scores.to(torch.float32).masked_fill(~valid, -math.inf)
+    ok = valid
+    if shared:
+        g = torch.log_softmax(g, -1).nan_to_num(nan=-math.inf)  # a row without a valid position stays -inf
+    if pad:
+        g = torch.nn.functional.pad(g, (0, pad), value=-math.inf)
+        ok = torch.nn.functional.pad(ok, (0, pad), value=False)
+    g = g.reshape(b, hkv, nb, block)
+    ok = ok.reshape(b, hkv, nb, block)
+    if shared:  # [B, 1, nb, Hkv * block]: a unit holds every head's rows of its positions
+        g = g.permute(0, 2, 1, 3).reshape(b, 1, nb, hkv * block)
+        ok = ok.permute(0, 2, 1, 3).reshape(b, 1, nb, hkv * block)
+    unit_ok = ok.any(-1)
+    if rule == "max":
+        score = g.amax(-1)
+    elif rule == "mass":
+        score = torch.logsumexp(g, -1)
+    elif rule == "top2":
+        if g.shape[-1] < 2:
+            score = g.amax(-1)
+        else:
+            two = torch.topk(g, 2, dim=-1).values
+            second = torch.where(torch.isfinite(two[..., 1]), two[..., 1], two[..., 0])  # one valid row: itself
+            score = (two[..., 0] + second) / 2
+    else:
+        raise ValueError(f"unknown unit score {rule!r}; use one of {', '.join(UNIT_SCORES)}")
+    return score.masked_fill(~unit_ok, -math.inf), unit_ok
+
+
 def select_blocks(
     group_scores: torch.Tensor,
     valid: torch.Tensor,
@@ -237,26 +285,21 @@ def select_blocks(
     budget: float = 1.0,
     budget_tokens: int | None = None,
     min_tokens: int = 1,
+    rule: str = "max",
+    shared: bool = False,
 ) -> Selection:
-    """The same rule applied to aligned blocks of `block` positions (a block scores its best
-    position); every valid position of a chosen block is selected.
+    """The same rule applied to aligned units of `block` positions, each scored by `rule`
+    (`unit_scores`); every valid position of a chosen unit is selected. With `shared`, one
+    choice of units serves every KV head (a token's heads read together).
 
     A slow tier reads whole blocks anyway (a 4 KiB disk block holds 16 positions of one head in
     fp16 at d = 64), so choosing blocks turns read amplification into attended positions.
-    Budget and floor are converted to blocks; positions that are not valid are never selected.
+    Budget and floor are converted to units; positions that are not valid are never selected.
     """
-    if block <= 1:
+    if block <= 1 and not shared:
         return select_positions(group_scores, valid, alpha, budget, budget_tokens, min_tokens)
     b, hkv, t = group_scores.shape
-    nb = -(-t // block)
-    pad = nb * block - t
-    g = group_scores.masked_fill(~valid, -math.inf)
-    ok = valid
-    if pad:
-        g = torch.nn.functional.pad(g, (0, pad), value=-math.inf)
-        ok = torch.nn.functional.pad(ok, (0, pad), value=False)
-    blk_scores = g.reshape(b, hkv, nb, block).amax(-1)
-    blk_ok = ok.reshape(b, hkv, nb, block).any(-1)  # [B, Hkv, nb]: blocks holding a valid position
+    blk_scores, blk_ok = unit_scores(group_scores, valid, block, rule, shared)
     blk_sel = select_positions(
         blk_scores,
         blk_ok,
@@ -265,13 +308,21 @@ def select_blocks(
         None if budget_tokens is None else max(1, budget_tokens // block),
         max(1, -(-min_tokens // block)),
     )
-    offs = torch.arange(block, device=g.device)
-    idx = (blk_sel.indices[..., None] * block + offs).flatten(-2)  # [B, Hkv, n * block]
-    keep = blk_sel.valid[..., None].expand(*blk_sel.valid.shape, block).flatten(-2)
+    n_units = blk_sel.indices.shape[-1]
+    offs = torch.arange(block, device=group_scores.device)
+    idx = (blk_sel.indices[..., None] * block + offs).flatten(-2).expand(b, hkv, n_units * block)
+    keep = blk_sel.valid[..., None].expand(*blk_sel.valid.shape, block).flatten(-2).expand(b, hkv, -1)
     keep = keep & (idx < t)
     idx = idx.clamp(max=max(t - 1, 0))
     keep = keep & torch.gather(valid, -1, idx)
-    return Selection(torch.where(keep, idx, torch.zeros_like(idx)), keep)
+    return selection_from_mask(_scatter_mask(idx, keep, t))
+
+
+def _scatter_mask(idx: torch.Tensor, keep: torch.Tensor, t: int) -> torch.Tensor:
+    """The mask [B, Hkv, t] of the positions `idx` where `keep`."""
+    mask = torch.zeros(*idx.shape[:-1], t + 1, dtype=torch.bool, device=idx.device)
+    mask.scatter_(-1, torch.where(keep, idx, torch.full_like(idx, t)), True)
+    return mask[..., :t]
 
 
 def attention_recall(true_probs: torch.Tensor, selection: Selection) -> torch.Tensor:

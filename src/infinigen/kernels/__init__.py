@@ -33,6 +33,7 @@ from infinigen.paths import default_cache_dir
 _SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c", "attend.c")]
 _HEADERS = [Path(__file__).with_name("numeric.h")]
 AGGREGATIONS = {"max": 0, "union": 1, "sum": 2, "mass": 3}
+UNIT_RULES = {"max": 0, "mass": 1, "top2": 2}  # speculate.UNIT_SCORES, as the kernel numbers them
 # The partial keys' formats the selection kernel reads (widened to float32 as it scores); int8:
 # quantized codes, uint8: two 4-bit codes per byte (both with per-position scales,
 # `infinigen.select.quantized`).
@@ -96,7 +97,7 @@ def _compile() -> ctypes.CDLL:
 def _bind(lib: ctypes.CDLL) -> None:
     p, i64, f32, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
     lib.ig_select.restype = i64
-    lib.ig_select.argtypes = [p, cint, i64, i64, p, p, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, i64]
+    lib.ig_select.argtypes = [p, cint, i64, i64, p, p, p, i64, i64, i64, i64, p, cint, f32, f64, i64, i64, i64, cint]
     lib.ig_select.argtypes += [p, p, p, p, p]
     lib.ig_top_up.restype = i64
     lib.ig_top_up.argtypes = [p, cint, i64, i64, p, p, p, i64, i64, i64, i64, p, cint, p, p, p, p, p, p, p]
@@ -262,6 +263,7 @@ def select(
     scales: torch.Tensor | None = None,
     block: int = 1,
     bias: torch.Tensor | None = None,
+    unit_score: str = "max",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """InfiniGen's selection in one call (the rule of `speculate.aggregate_group` followed by
     `speculate.select_positions`, or by `speculate.select_blocks` for `block` > 1; scores from
@@ -276,15 +278,17 @@ def select(
           the per-channel scales are already folded into `query`;
     bias: [B, H] added to every score of a query head (for centered codes: the query against the
           channel means), or None;
-    block: choose aligned blocks of this many positions (each scored by its best position) and
-          return every valid position of the chosen blocks.
+    block: choose aligned units of this many positions (each scored by `unit_score`, as in
+          `speculate.unit_scores`: max, mass or top2) and return every valid position of the
+          chosen units.
     Returns (indices [B, Hkv, n] ascending, padding slots 0; counts [B, Hkv])."""
     if block < 1:
         raise ValueError(f"block must be at least 1, got {block}")
     call = _Call(keys, length, query, valid, scales, bias)
     n = call.lib.ig_select(
         *call.head, AGGREGATIONS[aggregation], float(alpha),
-        float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens), int(block), *call.tail,
+        float(budget), -1 if budget_tokens is None else int(budget_tokens), int(min_tokens), int(block),
+        UNIT_RULES[unit_score], *call.tail,
     )  # fmt: skip
     return call.result(n)
 

@@ -344,27 +344,40 @@ static int64_t choose(const float *z, const uint8_t *vr, int64_t n, int64_t ctx,
     return emit_above(z, vr, NULL, n, count, cut, out);
 }
 
-/* The rule applied to aligned blocks of `block` positions (speculate.select_blocks): a block
-   scores its best valid position and exists when it holds one; budget_tokens and min_tokens
-   count blocks (at least one); every valid position of a chosen block is written, ascending.
-   zb, bidx: [nb] scratch, bv: [nb] bytes. Returns how many positions it wrote. */
-static int64_t choose_blocks(const float *z, const uint8_t *vr, int64_t T, int64_t block, float alpha,
+/* A unit's score from its valid scores z[start..end) (speculate.unit_scores): rule 0 its best,
+   1 the log of their summed exponentials (mass), 2 the mean of its two best (one valid: itself).
+   -INFINITY when none is valid; *any says whether one is. */
+static float unit_score(const float *z, const uint8_t *vr, int64_t start, int64_t end, int rule, uint8_t *any) {
+    float best = -INFINITY, second = -INFINITY;
+    uint8_t seen = 0;
+    for (int64_t t = start; t < end; t++) {
+        if (vr && !vr[t]) continue;
+        seen = 1;
+        if (z[t] > best) { second = best; best = z[t]; }
+        else if (z[t] > second) second = z[t];
+    }
+    *any = seen;
+    if (!seen || rule == 0 || best == -INFINITY) return best;
+    if (rule == 2) return second == -INFINITY ? best : 0.5f * (best + second);
+    double sum = 0.0;
+    for (int64_t t = start; t < end; t++)
+        if (!vr || vr[t]) sum += exp((double)z[t] - (double)best);
+    return best + (float)log(sum);
+}
+
+/* The rule applied to aligned units of `block` positions (speculate.select_blocks): a unit is
+   scored by `rule` (unit_score) and exists when it holds a valid position; budget_tokens and
+   min_tokens count units (at least one); every valid position of a chosen unit is written,
+   ascending. zb, bidx: [nb] scratch, bv: [nb] bytes. Returns how many positions it wrote. */
+static int64_t choose_blocks(const float *z, const uint8_t *vr, int64_t T, int64_t block, int rule, float alpha,
                              double budget, int64_t budget_tokens, int64_t min_tokens, float *zb, uint8_t *bv,
                              int64_t *bidx, float *tmp, int64_t *out) {
     const int64_t nb = (T + block - 1) / block;
     int64_t cb = 0;
     for (int64_t j = 0; j < nb; j++) {
         const int64_t end = (j + 1) * block < T ? (j + 1) * block : T;
-        float m = -INFINITY;
-        uint8_t any = 0;
-        for (int64_t t = j * block; t < end; t++) {
-            const uint8_t ok = !vr || vr[t];
-            any |= ok;
-            m = ok ? maxf(z[t], m) : m;
-        }
-        zb[j] = m;
-        bv[j] = any;
-        cb += any;
+        zb[j] = unit_score(z, vr, j * block, end, rule, &bv[j]);
+        cb += bv[j];
     }
     const int64_t bt = budget_tokens < 0 ? -1 : (budget_tokens / block > 1 ? budget_tokens / block : 1);
     const int64_t bf = (min_tokens + block - 1) / block > 1 ? (min_tokens + block - 1) / block : 1;
@@ -380,12 +393,12 @@ static int64_t choose_blocks(const float *z, const uint8_t *vr, int64_t T, int64
 
 /* Returns the largest count over rows (the width of the selection); -1 for a group wider than
    MAX_GROUP, -2 when block scratch cannot be allocated. block: 1 selects positions, more selects
-   aligned blocks of that many. */
+   aligned units of that many, scored by unit_rule (unit_score). */
 int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int64_t ld, const uint16_t *scales,
                   const float *query, const float *bias /* [R][G] or NULL */,
                   int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode,
                   float alpha, double budget, int64_t budget_tokens, int64_t min_tokens, int64_t block,
-                  float *scores /* [G][T] */, float *z /* [T] */, float *tmp /* [T] */,
+                  int unit_rule, float *scores /* [G][T] */, float *z /* [T] */, float *tmp /* [T] */,
                   int64_t *out_idx /* [R][T] */, int64_t *out_count /* [R] */) {
     if (G > MAX_GROUP) return -1;
     const int64_t nb = block > 1 ? (T + block - 1) / block : 0;
@@ -409,7 +422,7 @@ int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int6
                                              query + r * G * C, bias ? bias + r * G : NULL, G, C, T, vr, mode,
                                              scores, z, tmp);
         if (ctx == 0) continue;
-        out_count[r] = nb ? choose_blocks(z, vr, T, block, alpha, budget, budget_tokens, min_tokens, zb, bv, bidx,
+        out_count[r] = nb ? choose_blocks(z, vr, T, block, unit_rule, alpha, budget, budget_tokens, min_tokens, zb, bv, bidx,
                                           tmp, out_idx + r * T)
                           : choose(z, vr, T, ctx, alpha, budget, budget_tokens, min_tokens, tmp, out_idx + r * T);
         if (out_count[r] > widest) widest = out_count[r];

@@ -29,8 +29,8 @@ import torch
 
 from infinigen.growing import GrowingTensor
 from infinigen.skew.query_map import project_queries
-from infinigen.speculate import Selection
-from infinigen.validation import Validated, at_least, fraction, knob
+from infinigen.speculate import UNIT_HEADS, Selection
+from infinigen.validation import Validated, at_least, fraction, knob, one_of
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,28 @@ class SelectionBudget(Validated):
         fraction(),
     )
     budget_tokens: int | None = knob(None, "cap on the fetched positions per KV head", at_least(1))
+
+
+@dataclass(frozen=True)
+class UnitSelection(SelectionBudget):
+    """The unit a selector chooses in: aligned runs of positions, each KV head's own or shared by
+    a token's heads (`speculate.select_blocks`); declared once for the selectors that rank by
+    attention (InfiniGen, and the oracle as its bound)."""
+
+    block_tokens: int = knob(
+        1,
+        "select aligned units of this many positions, every row of a chosen unit attended (16 matches a 4 KiB "
+        "disk block at d = 64)",
+        at_least(1),
+        advanced=True,
+    )
+    unit_heads: str = knob(
+        "own",
+        "own: each KV head chooses its units; shared: one choice of positions for all of a token's KV heads "
+        "(what a layout keeping a token's heads together reads)",
+        one_of(UNIT_HEADS),
+        advanced=True,
+    )
 
 
 class PrefillWeights(Protocol):

@@ -36,12 +36,13 @@ import torch
 
 import infinigen.kernels as kernels
 from infinigen.growing import GrowingTensor
-from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
+from infinigen.select.base import SELECTING_BUDGET, PolicySpec, Selector, UnitSelection
 from infinigen.select.quantized import QuantizedPartialKeys, partial_bytes_per_position
 from infinigen.skew.choice import MeasuredChoice
 from infinigen.skew.query_map import apply_query_map, fold_skew_into_map
 from infinigen.skew.tables import SPECULATED_INPUTS, allocate_budgets, allocate_channels, correction_share
 from infinigen.speculate import (
+    UNIT_SCORES,
     Selection,
     aggregate_group,
     is_all_valid,
@@ -68,7 +69,7 @@ _LAYER_ALPHA = Rule(
 
 
 @dataclass(frozen=True)
-class SpeculationKnobs(SelectionBudget):
+class SpeculationKnobs(UnitSelection):
     """InfiniGen's selector: skewed partial query of layer i from layer i-1's input (through
     layer i's query projection refitted to that input at calibration) against the partial keys;
     each layer keeps the top of its budget (`budget`, or a calibrated spread of it), an optional
@@ -105,10 +106,11 @@ class SpeculationKnobs(SelectionBudget):
         None, "calibration length (default: the model's context, at most 8192)", at_least(16), advanced=True
     )
     min_tokens: int = knob(8, "floor on the fetched positions per KV head", at_least(1), advanced=True)
-    block_tokens: int = knob(
-        1,
-        "select aligned blocks of this many positions (16 matches a 4 KiB disk block at d = 64)",
-        at_least(1),
+    unit_score: str = knob(
+        "max",
+        "with block_tokens > 1: how a unit is scored from its positions' speculated scores: max (its best), "
+        "mass (its summed estimated attention) or top2 (the mean of its two best)",
+        one_of(UNIT_SCORES),
         advanced=True,
     )
     layer_alpha: dict[int, float] = knob({}, "per-layer alpha overrides, e.g. 2:6,25:6", _LAYER_ALPHA, advanced=True)
@@ -273,16 +275,20 @@ class InfiniGenSelector(Selector):
     def select(self, state, layer, query, past, valid) -> Selection:
         k = self.knobs
         budget = self.speculated_budget(layer)
-        if self._kernel_reads(state, query):
+        shared = k.unit_heads == "shared"
+        if not shared and self._kernel_reads(state, query):
             # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
             keys, q, scales, bias = self._kernel_operands(state, layer, query)
             idx, counts = kernels.select(
                 keys, past, q, None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
                 budget, k.budget_tokens, k.min_tokens, scales=scales, block=k.block_tokens, bias=bias,
+                unit_score=k.unit_score,
             )  # fmt: skip
             return _selection(idx, counts)
         g = self.scores(state, layer, query, past, valid)
-        return select_blocks(g, valid, k.block_tokens, self.alpha(layer), budget, k.budget_tokens, k.min_tokens)
+        return select_blocks(
+            g, valid, k.block_tokens, self.alpha(layer), budget, k.budget_tokens, k.min_tokens, k.unit_score, shared
+        )
 
     def _kernel_reads(self, state, query: torch.Tensor) -> bool:
         """Whether the C kernels can score these partial keys (else the tensor path does)."""

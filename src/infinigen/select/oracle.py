@@ -1,17 +1,19 @@
 """`oracle`: the true top-k of the attention at the same budget — per KV head, the positions
 with the most attention mass summed over the group's query heads, which maximises the mean
 recall over those heads. It reads every key to choose (uncounted): an upper bound for any
-selector at a given fraction fetched, not a system."""
+selector at a given fraction fetched, not a system. With units (`block_tokens`, `unit_heads`) it
+keeps the units of most true mass: the bound of any selector choosing in those units."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from infinigen.growing import GrowingTensor
-from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
-from infinigen.speculate import Selection, budget_counts, group_sum, selection_from_mask
+from infinigen.select.base import SELECTING_BUDGET, PolicySpec, Selector, UnitSelection
+from infinigen.speculate import Selection, budget_counts, group_sum, select_blocks, selection_from_mask
 
 
 @dataclass
@@ -48,7 +50,7 @@ def top_mass(mass: torch.Tensor, valid: torch.Tensor, count: torch.Tensor) -> to
 
 class OracleSelector(Selector):
     name = "oracle"
-    Knobs = SelectionBudget  # the budget alone
+    Knobs = UnitSelection  # the budget, and the unit it chooses in
     policy = PolicySpec(
         "offload",
         "oracle",
@@ -76,5 +78,12 @@ class OracleSelector(Selector):
     def select(self, state: KeyCopy, layer_idx, query, past, valid) -> Selection:
         probs = true_probs(query, state.keys[:, :, :past], valid, self.adapter.scaling(layer_idx))
         mass = group_sum(probs, self.adapter.num_kv_heads)
-        count = budget_counts(valid.sum(-1), self.knobs.budget, self.knobs.budget_tokens)
+        k = self.knobs
+        if k.block_tokens > 1 or k.unit_heads == "shared":  # units ranked by their true mass: the units' bound
+            log_mass = mass.clamp(min=1e-38).log().masked_fill(~valid, -math.inf)
+            shared = k.unit_heads == "shared"
+            return select_blocks(
+                log_mass, valid, k.block_tokens, math.inf, k.budget, k.budget_tokens, 1, "mass", shared
+            )
+        count = budget_counts(valid.sum(-1), k.budget, k.budget_tokens)
         return selection_from_mask(top_mass(mass, valid, count))
