@@ -241,6 +241,34 @@ def test_oracle_is_the_true_top_k_and_no_policy_recalls_more():
     assert best > attention_recall(true, others["streaming"]).mean().item()
 
 
+@pytest.mark.parametrize("block", [4, 5])
+def test_the_oracle_in_units_keeps_the_units_of_most_true_mass(block):
+    """With `block_tokens`, the oracle keeps the aligned units whose true attention mass (summed
+    over the group) is largest, as many as the budget's share of the units, and every valid row
+    of them: the bound of any selector choosing in those units."""
+    from infinigen.select.base import UnitSelection
+
+    torch.manual_seed(3)
+    t, budget = 47, 0.25
+    valid = padded_valid(t)
+    keys = torch.randn(B, HKV, t, D) * 2
+    q = torch.randn(B, H, D) * 2
+    oracle = OracleSelector(UnitSelection(budget=budget, block_tokens=block), adapter())
+    st = oracle.new_state(2)
+    oracle.on_append(st, 2, keys, valid)
+    sel = oracle.select(st, 2, q, t, heads(valid))
+    s = torch.einsum("bhd,bhtd->bht", q, keys.repeat_interleave(2, 1)) * D**-0.5
+    mass = torch.softmax(s.masked_fill(~valid[:, None], -math.inf), -1).reshape(B, HKV, 2, t).sum(2)
+    units = [list(range(u, min(u + block, t))) for u in range(0, t, block)]
+    for b in range(B):
+        live = [u for u in units if any(valid[b, p] for p in u)]
+        k = math.ceil(len(live) * budget)
+        for h in range(HKV):
+            best = sorted(live, key=lambda u: -sum(mass[b, h, p].item() for p in u))[:k]
+            want = {p for u in best for p in u if valid[b, p]}
+            assert as_sets(sel)[b][h] == want
+
+
 def _bigger(oracle, state, q, t, valid, n):
     return OracleSelector(SelectionBudget(budget=1.0, budget_tokens=n), oracle.adapter).select(
         state, 2, q, t, heads(valid)
