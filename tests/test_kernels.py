@@ -115,8 +115,8 @@ def test_kernel_block_selection_equals_tensor_path(agg, rule, setting, t, block)
 @pytest.mark.parametrize("agg", ["max", "mass"])
 @pytest.mark.parametrize("block", [4, 16])
 def test_kernel_units_by_mass_are_the_best_units_up_to_rounding(agg, block):
-    """Units scored by their mass (logsumexp, in double in the kernel, float in the tensor
-    path): every unit the kernel chooses scores, by the tensor path's rule, at least as well as
+    """Units scored by their mass (logsumexp, in the kernel's own float exp and log, torch's in
+    the tensor path): every unit the kernel chooses scores, by the tensor path's rule, at least as well as
     every unit it leaves, up to rounding; and it chooses as many units."""
     from infinigen.speculate import unit_scores
 

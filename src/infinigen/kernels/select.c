@@ -345,7 +345,7 @@ static int64_t choose(const float *z, const uint8_t *vr, int64_t n, int64_t ctx,
 }
 
 /* A unit's score from its valid scores z[start..end) (speculate.unit_scores): rule 0 its best,
-   1 the log of their summed exponentials (mass), 2 the mean of its two best (one valid: itself).
+   1 the log of their summed exponentials (mass, in the kernels' float exp and log), 2 the mean of its two best (one valid: itself).
    -INFINITY when none is valid; *any says whether one is. */
 static float unit_score(const float *z, const uint8_t *vr, int64_t start, int64_t end, int rule, uint8_t *any) {
     float best = -INFINITY, second = -INFINITY;
@@ -359,10 +359,9 @@ static float unit_score(const float *z, const uint8_t *vr, int64_t start, int64_
     *any = seen;
     if (!seen || rule == 0 || best == -INFINITY) return best;
     if (rule == 2) return second == -INFINITY ? best : 0.5f * (best + second);
-    double sum = 0.0;
-    for (int64_t t = start; t < end; t++)
-        if (!vr || vr[t]) sum += exp((double)z[t] - (double)best);
-    return best + (float)log(sum);
+    float sum = 0.0f;
+    for (int64_t t = start; t < end; t++) sum += (!vr || vr[t]) ? exp_f(z[t] - best) : 0.0f;
+    return best + log_f(sum);
 }
 
 /* The rule applied to aligned units of `block` positions (speculate.select_blocks): a unit is
