@@ -203,6 +203,7 @@ INFINIGEN_KNOBS = (
     "calibration_tokens",
     "min_tokens",
     "block_tokens",
+    "unit_keys",
     "unit_score",
     "unit_heads",
     "layer_alpha",

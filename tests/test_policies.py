@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from infinigen.select.base import SelectionBudget
+from infinigen.select.base import UnitSelection
 from infinigen.select.h2o import H2OKnobs, H2OSelector
 from infinigen.select.oracle import OracleSelector
 from infinigen.select.quest import QuestKnobs, QuestSelector
@@ -205,7 +205,7 @@ def test_oracle_is_the_true_top_k_and_no_policy_recalls_more():
     valid = padded_valid(t)
     keys = torch.randn(B, HKV, t, D) * 2
     q = torch.randn(B, H, D) * 2
-    oracle = OracleSelector(SelectionBudget(budget=budget), adapter())
+    oracle = OracleSelector(UnitSelection(budget=budget), adapter())
     st = oracle.new_state(2)
     oracle.on_append(st, 2, keys, valid)
     sel = oracle.select(st, 2, q, t, heads(valid))
@@ -246,7 +246,6 @@ def test_the_oracle_in_units_keeps_the_units_of_most_true_mass(block):
     """With `block_tokens`, the oracle keeps the aligned units whose true attention mass (summed
     over the group) is largest, as many as the budget's share of the units, and every valid row
     of them: the bound of any selector choosing in those units."""
-    from infinigen.select.base import UnitSelection
 
     torch.manual_seed(3)
     t, budget = 47, 0.25
@@ -270,7 +269,7 @@ def test_the_oracle_in_units_keeps_the_units_of_most_true_mass(block):
 
 
 def _bigger(oracle, state, q, t, valid, n):
-    return OracleSelector(SelectionBudget(budget=1.0, budget_tokens=n), oracle.adapter).select(
+    return OracleSelector(UnitSelection(budget=1.0, budget_tokens=n), oracle.adapter).select(
         state, 2, q, t, heads(valid)
     )
 

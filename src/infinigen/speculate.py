@@ -298,18 +298,34 @@ def select_blocks(
     """
     if block <= 1 and not shared:
         return select_positions(group_scores, valid, alpha, budget, budget_tokens, min_tokens)
-    b, hkv, t = group_scores.shape
     blk_scores, blk_ok = unit_scores(group_scores, valid, block, rule, shared)
+    return select_units(blk_scores, blk_ok, valid, block, alpha, budget, budget_tokens, min_tokens)
+
+
+def select_units(
+    scores: torch.Tensor,
+    unit_ok: torch.Tensor,
+    valid: torch.Tensor,
+    block: int,
+    alpha: float,
+    budget: float = 1.0,
+    budget_tokens: int | None = None,
+    min_tokens: int = 1,
+) -> Selection:
+    """The rule over units already scored ([B, Hkv or 1, units], -inf where `unit_ok` is False),
+    budget and floor converted to units; every valid position (`valid` [B, Hkv, T]) of a chosen
+    unit is selected, for every KV head when the units are shared."""
+    b, hkv, t = valid.shape
     blk_sel = select_positions(
-        blk_scores,
-        blk_ok,
+        scores,
+        unit_ok,
         alpha,
         budget,
         None if budget_tokens is None else max(1, budget_tokens // block),
         max(1, -(-min_tokens // block)),
     )
     n_units = blk_sel.indices.shape[-1]
-    offs = torch.arange(block, device=group_scores.device)
+    offs = torch.arange(block, device=scores.device)
     idx = (blk_sel.indices[..., None] * block + offs).flatten(-2).expand(b, hkv, n_units * block)
     keep = blk_sel.valid[..., None].expand(*blk_sel.valid.shape, block).flatten(-2).expand(b, hkv, -1)
     keep = keep & (idx < t)

@@ -209,7 +209,13 @@ class Selector:
 def held_bytes(state: Any) -> int:
     """Bytes a layer's selector state keeps with the compute (partial keys, page bounds,
     accumulated attention), spare capacity included: every state is a small object whose
-    attributes are tensors or growing buffers. Reported by `summary()`."""
+    attributes are tensors or growing buffers, or such objects in turn. Reported by `summary()`."""
     if state is None:
         return 0
-    return sum(v.nbytes for v in vars(state).values() if isinstance(v, (torch.Tensor, GrowingTensor)))
+    total = 0
+    for v in vars(state).values():
+        if isinstance(v, (torch.Tensor, GrowingTensor)):
+            total += v.nbytes
+        elif hasattr(v, "__dict__") and not callable(v):
+            total += held_bytes(v)
+    return total

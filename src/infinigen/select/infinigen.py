@@ -38,6 +38,7 @@ import infinigen.kernels as kernels
 from infinigen.growing import GrowingTensor
 from infinigen.select.base import SELECTING_BUDGET, PolicySpec, Selector, UnitSelection
 from infinigen.select.quantized import QuantizedPartialKeys, partial_bytes_per_position
+from infinigen.select.unit_moments import UNIT_KEYS, UnitMoments
 from infinigen.skew.choice import MeasuredChoice
 from infinigen.skew.query_map import apply_query_map, fold_skew_into_map
 from infinigen.skew.tables import SPECULATED_INPUTS, allocate_budgets, allocate_channels, correction_share
@@ -50,6 +51,7 @@ from infinigen.speculate import (
     partial_scores,
     project_partial,
     select_blocks,
+    select_units,
     selection_mask,
     top_up,
 )
@@ -106,6 +108,15 @@ class SpeculationKnobs(UnitSelection):
         None, "calibration length (default: the model's context, at most 8192)", at_least(16), advanced=True
     )
     min_tokens: int = knob(8, "floor on the fetched positions per KV head", at_least(1), advanced=True)
+    unit_keys: str = knob(
+        "positions",
+        "with block_tokens > 1: what the speculation scores: every position's partial key (positions), or each "
+        "unit's mean partial key (mean) or its mean and per-channel variance (moments), a unit's estimated mass "
+        "from T / block_tokens summaries (`infinigen.select.unit_moments`); the partial keys stay for the "
+        "correction",
+        one_of(UNIT_KEYS),
+        advanced=True,
+    )
     unit_score: str = knob(
         "max",
         "with block_tokens > 1: how a unit is scored from its positions' speculated scores: max (its best), "
@@ -173,6 +184,18 @@ class PartialKeys:
         """[B, Hkv, T, c] (a transposed view)."""
         data = self.buffer.data
         return None if data is None else data.transpose(-1, -2)
+
+
+@dataclass
+class WithUnits:
+    """The partial keys (for the correction) and the units' moments the speculation scores."""
+
+    partial: PartialKeys | QuantizedPartialKeys
+    units: UnitMoments
+
+
+def _partial(state) -> PartialKeys | QuantizedPartialKeys:
+    return state.partial if isinstance(state, WithUnits) else state
 
 
 class InfiniGenSelector(Selector):
@@ -254,12 +277,18 @@ class InfiniGenSelector(Selector):
         """The fraction the speculation picks: the layer's budget less a calibrated top-up."""
         return self.budget(layer) - self.layer_corrections.get(layer, 0.0)
 
-    def new_state(self, layer: int) -> PartialKeys | QuantizedPartialKeys:
+    def new_state(self, layer: int) -> PartialKeys | QuantizedPartialKeys | WithUnits:
         fmt = self.knobs.partial_format
-        return PartialKeys() if fmt == "kv" else QuantizedPartialKeys(fmt)
+        partial = PartialKeys() if fmt == "kv" else QuantizedPartialKeys(fmt)
+        if self.knobs.unit_keys == "positions":
+            return partial
+        return WithUnits(partial, UnitMoments(self.knobs.block_tokens))
 
     def on_append(self, state, layer, keys, valid) -> None:
         kp = project_partial(keys, self.proj[layer])
+        if isinstance(state, WithUnits):
+            state.units.append(kp, valid)
+            state = state.partial
         if isinstance(state, QuantizedPartialKeys):
             state.append(kp, valid)
         else:
@@ -268,6 +297,7 @@ class InfiniGenSelector(Selector):
     def scores(self, state, layer: int, query: torch.Tensor, past: int, valid) -> torch.Tensor:
         """Speculated group scores [B, Hkv, past] (-inf where not valid)."""
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
+        state = _partial(state)
         keys = state.keys(past) if isinstance(state, QuantizedPartialKeys) else state.keys[:, :, :past]
         s = partial_scores(q_part, keys, self.adapter.scaling(layer))
         return aggregate_group(s, valid, self.adapter.num_kv_heads, self.knobs.aggregation)
@@ -276,6 +306,8 @@ class InfiniGenSelector(Selector):
         k = self.knobs
         budget = self.speculated_budget(layer)
         shared = k.unit_heads == "shared"
+        if isinstance(state, WithUnits):
+            return self._select_by_unit_keys(state.units, layer, query, past, valid, budget)
         if not shared and self._kernel_reads(state, query):
             # One call instead of a dozen tensor operations: the same rule (see infinigen.kernels).
             keys, q, scales, bias = self._kernel_operands(state, layer, query)
@@ -290,8 +322,23 @@ class InfiniGenSelector(Selector):
             g, valid, k.block_tokens, self.alpha(layer), budget, k.budget_tokens, k.min_tokens, k.unit_score, shared
         )
 
+    def _select_by_unit_keys(self, units: UnitMoments, layer, query, past, valid, budget) -> Selection:
+        """Units ranked by their estimated mass from their moments (`unit_keys`), the group's
+        query heads aggregated as for positions, every valid row of a chosen unit selected."""
+        k = self.knobs
+        q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
+        n_units = -(-past // k.block_tokens)
+        s, ok = units.scores(q_part, self.adapter.scaling(layer), k.unit_keys)
+        s, ok = s[..., :n_units], ok[:, None, :n_units].expand(s.shape[0], self.adapter.num_kv_heads, n_units)
+        g = aggregate_group(s, ok, self.adapter.num_kv_heads, k.aggregation)
+        if k.unit_heads == "shared":  # one choice for a token's heads: the heads' masses summed
+            g = torch.logsumexp(torch.log_softmax(g, -1).nan_to_num(nan=-math.inf), 1, keepdim=True)
+            ok = ok[:, :1]
+        return select_units(g, ok, valid, k.block_tokens, self.alpha(layer), budget, k.budget_tokens, k.min_tokens)
+
     def _kernel_reads(self, state, query: torch.Tensor) -> bool:
         """Whether the C kernels can score these partial keys (else the tensor path does)."""
+        state = _partial(state)
         quantized = isinstance(state, QuantizedPartialKeys)
         keys = state.codes.full if quantized else state.buffer.full
         return (
@@ -303,6 +350,7 @@ class InfiniGenSelector(Selector):
 
     def _kernel_operands(self, state, layer: int, query: torch.Tensor):
         """(keys, scaled partial query, scales or None, bias or None) as the kernels take them."""
+        state = _partial(state)
         q = self._scaled_partial_query(layer, query)
         if isinstance(state, QuantizedPartialKeys):
             return state.codes.full, state.kernel_query(q), state.scales.full, state.kernel_bias(q)
@@ -316,7 +364,11 @@ class InfiniGenSelector(Selector):
         c, fmt = self.channels(layer), self.knobs.partial_format
         itemsize = torch.empty((), dtype=self.kv_dtype or kv_dtype).element_size()
         per_row = capacity * partial_bytes_per_position(fmt, c, itemsize) + (0 if fmt == "kv" else 8 * c)  # + mu, sigma
-        return batch * self.adapter.num_kv_heads * per_row
+        units = 0
+        if self.knobs.unit_keys != "positions":  # float32 sums and squares per unit and head, a count per unit
+            n = -(-capacity // self.knobs.block_tokens)
+            units = batch * n * (self.adapter.num_kv_heads * 2 * c * 4 + 4)
+        return batch * self.adapter.num_kv_heads * per_row + units
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in (*self.proj.values(), *self.query_maps.values()))

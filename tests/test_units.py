@@ -1,0 +1,84 @@
+"""Selection in units: every row of a chosen unit is attended, each KV head's units its own or one
+choice for a token's heads, and the speculation over the units' moments (`unit_moments`) scores
+what a plain loop over the unit's keys says. Each rule's ranking is tested in test_speculate.py
+and test_kernels.py; here the whole cache runs in units on a tiny random model."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import left_padded_batch, tiny_model
+from infinigen import InfiniGenConfig, attach
+from infinigen.select.unit_moments import UnitMoments
+from test_sparse import _forced, masked_replay, selections_by_step
+
+BLOCK = 4
+
+
+def test_unit_moments_estimate_each_units_log_mass_to_second_order():
+    """log n + q.m + 1/2 sum_c q_c^2 var_c per query head and unit (m, var over the unit's real
+    positions), appended in two pieces across a unit boundary, left padding excluded."""
+    torch.manual_seed(0)
+    b, hkv, g, t, c, scaling = 2, 2, 3, 37, 5, 0.5
+    keys = torch.randn(b, hkv, t, c)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :5] = False
+    units = UnitMoments(BLOCK)
+    units.append(keys[:, :, :18], valid[:, :18])
+    units.append(keys[:, :, 18:], valid[:, 18:])
+    q = torch.randn(b, hkv * g, c)
+    for how in ("mean", "moments"):
+        s, ok = units.scores(q, scaling, how)
+        for row in range(b):
+            for h in range(hkv * g):
+                for j in range(-(-t // BLOCK)):
+                    pos = [p for p in range(j * BLOCK, min(j * BLOCK + BLOCK, t)) if valid[row, p]]
+                    if not pos:
+                        assert not ok[row, j] and s[row, h, j] == -math.inf
+                        continue
+                    k = keys[row, h // g, pos].double()
+                    qs = q[row, h].double() * scaling
+                    want = math.log(len(pos)) + float(qs @ k.mean(0))
+                    if how == "moments":
+                        want += 0.5 * float(qs**2 @ k.var(0, unbiased=False))
+                    assert s[row, h, j].item() == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(unit_score="mass"),
+        dict(unit_score="top2", unit_heads="shared"),
+        dict(unit_keys="moments"),
+        dict(unit_keys="moments", unit_heads="shared"),
+    ],
+)
+def test_infinigen_in_units_attends_whole_units_and_only_them(knobs):
+    """Through the cache: each step attends exactly its selection (the masked replay), every
+    selected position's unit is selected whole wherever its rows are real, and shared units are
+    the same positions for every KV head."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(length=40, pad=9)
+    config = InfiniGenConfig(policy="infinigen", budget=0.3, block_tokens=BLOCK, calibration_tokens=64, **knobs)
+    with attach(model, config, progress=False) as session:
+        cache = session.new_cache(trace=True)
+        got = _forced(model, ids, mask, cache, 3)
+    record = selections_by_step(cache.trace)
+    real = torch.cat([mask.bool(), torch.ones(mask.shape[0], 8, dtype=torch.bool)], 1)  # decoded tokens are real
+    for past, layers in record.items():
+        for layer, (indices, valid) in layers.items():
+            for row in range(indices.shape[0]):
+                chosen = [
+                    {int(p) for p, v in zip(indices[row, h], valid[row, h]) if v} for h in range(indices.shape[1])
+                ]
+                for h, picked in enumerate(chosen):
+                    for p in picked:
+                        start = p - p % BLOCK
+                        whole = {q for q in range(start, min(start + BLOCK, past)) if real[row, q]}
+                        assert whole <= picked, (past, layer, row, h, p)
+                if knobs.get("unit_heads") == "shared":
+                    assert all(s == chosen[0] for s in chosen), (past, layer, row)
+    fractions = [p["fetched_fraction"] for p in cache.summary()["per_layer"] if p["speculated"]]
+    assert fractions and max(fractions) < 0.9
+    torch.testing.assert_close(got, masked_replay(model, ids, mask, record, 3), rtol=1e-4, atol=1e-4)
