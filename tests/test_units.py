@@ -18,15 +18,17 @@ BLOCK = 4
 
 def test_unit_moments_estimate_each_units_log_mass_to_second_order():
     """log n + q.m + 1/2 sum_c q_c^2 var_c per query head and unit (m, var over the unit's real
-    positions), appended in two pieces across a unit boundary, left padding excluded."""
+    positions), appended as a prefill and decode steps across unit boundaries, left padding excluded."""
     torch.manual_seed(0)
     b, hkv, g, t, c, scaling = 2, 2, 3, 37, 5, 0.5
     keys = torch.randn(b, hkv, t, c)
     valid = torch.ones(b, t, dtype=torch.bool)
     valid[1, :5] = False
     units = UnitMoments(BLOCK)
-    units.append(keys[:, :, :18], valid[:, :18])
-    units.append(keys[:, :, 18:], valid[:, 18:])
+    units.append(keys[:, :, :18], valid[:, :18])  # a prefill ending inside a unit
+    for p in range(18, 23):  # decode steps, one position each, across a unit boundary
+        units.append(keys[:, :, p : p + 1], valid[:, p : p + 1])
+    units.append(keys[:, :, 23:], valid[:, 23:])
     q = torch.randn(b, hkv * g, c)
     for how in ("mean", "moments"):
         s, ok = units.scores(q, scaling, how)
@@ -82,3 +84,40 @@ def test_infinigen_in_units_attends_whole_units_and_only_them(knobs):
     fractions = [p["fetched_fraction"] for p in cache.summary()["per_layer"] if p["speculated"]]
     assert fractions and max(fractions) < 0.9
     torch.testing.assert_close(got, masked_replay(model, ids, mask, record, 3), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["mean", "moments"])
+@pytest.mark.parametrize("aggregation", ["max", "mass"])
+def test_the_kernel_ranks_unit_moments_as_the_tensor_path_does(how, aggregation):
+    """The summaries scored by the selection kernel (2c + 1 channels, the query [q, q^2 / 2, 1])
+    choose as many units as the tensor path, and none it leaves scores better than one it takes,
+    up to rounding."""
+    import infinigen.kernels as kernels
+    from infinigen.speculate import aggregate_group, select_units
+
+    if not kernels.available():
+        pytest.skip("no C compiler: the tensor path alone runs")
+    torch.manual_seed(1)
+    b, hkv, g, t, c, scaling, budget = 2, 3, 3, 700, 6, 0.4, 0.1
+    keys = torch.randn(b, hkv, t, c)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :40] = False
+    units = UnitMoments(16)
+    units.append(keys, valid)
+    q = torch.randn(b, hkv * g, c)
+    n_units, held = units.units_held(t)
+    ok = held[:, None, :].expand(b, hkv, n_units)
+    s, _ = units.scores(q, scaling, how)
+    ref_scores = aggregate_group(s, ok, hkv, aggregation)
+    pos_valid = valid[:, None, :].expand(b, hkv, t)
+    want = select_units(ref_scores, ok, pos_valid, 16, math.inf, budget)
+    chosen, counts = kernels.select(units.summary.full, n_units, units.query(q, scaling, how), ok, aggregation,
+                                    math.inf, budget, None, 1)  # fmt: skip
+    for row in range(b):
+        for h in range(hkv):
+            got = {int(u) for u in chosen[row, h, : counts[row, h]]}
+            ref = {int(p) // 16 for p, v in zip(want.indices[row, h], want.valid[row, h]) if v}
+            assert len(got) == len(ref)
+            left = [u for u in range(n_units) if u not in got and ok[row, h, u]]
+            worst_in = min(ref_scores[row, h, u].item() for u in got)
+            assert all(ref_scores[row, h, u].item() <= worst_in + 1e-4 for u in left)

@@ -324,21 +324,22 @@ def select_units(
         None if budget_tokens is None else max(1, budget_tokens // block),
         max(1, -(-min_tokens // block)),
     )
-    n_units = blk_sel.indices.shape[-1]
-    offs = torch.arange(block, device=scores.device)
-    idx = (blk_sel.indices[..., None] * block + offs).flatten(-2).expand(b, hkv, n_units * block)
-    keep = blk_sel.valid[..., None].expand(*blk_sel.valid.shape, block).flatten(-2).expand(b, hkv, -1)
+    return expand_units(blk_sel.indices, blk_sel.valid, valid, block)
+
+
+def expand_units(units: torch.Tensor, chosen: torch.Tensor, valid: torch.Tensor, block: int) -> Selection:
+    """Every valid position (`valid` [B, Hkv, T]) of the units `units` [B, Hkv or 1, n] where
+    `chosen`: a Selection of n * block slots per row, ascending where the units are, slots that
+    fall past T or on a position that is not valid marked not valid (the layers skip them)."""
+    b, hkv, t = valid.shape
+    n = units.shape[-1]
+    offs = torch.arange(block, device=units.device)
+    idx = (units[..., None] * block + offs).flatten(-2).expand(b, hkv, n * block)
+    keep = chosen[..., None].expand(*chosen.shape, block).flatten(-2).expand(b, hkv, -1)
     keep = keep & (idx < t)
     idx = idx.clamp(max=max(t - 1, 0))
     keep = keep & torch.gather(valid, -1, idx)
-    return selection_from_mask(_scatter_mask(idx, keep, t))
-
-
-def _scatter_mask(idx: torch.Tensor, keep: torch.Tensor, t: int) -> torch.Tensor:
-    """The mask [B, Hkv, t] of the positions `idx` where `keep`."""
-    mask = torch.zeros(*idx.shape[:-1], t + 1, dtype=torch.bool, device=idx.device)
-    mask.scatter_(-1, torch.where(keep, idx, torch.full_like(idx, t)), True)
-    return mask[..., :t]
+    return Selection(torch.where(keep, idx, torch.zeros_like(idx)), keep)
 
 
 def attention_recall(true_probs: torch.Tensor, selection: Selection) -> torch.Tensor:

@@ -46,6 +46,7 @@ from infinigen.speculate import (
     UNIT_SCORES,
     Selection,
     aggregate_group,
+    expand_units,
     is_all_valid,
     partial_projection,
     partial_scores,
@@ -324,29 +325,47 @@ class InfiniGenSelector(Selector):
 
     def _select_by_unit_keys(self, units: UnitMoments, layer, query, past, valid, budget) -> Selection:
         """Units ranked by their estimated mass from their moments (`unit_keys`), the group's
-        query heads aggregated as for positions, every valid row of a chosen unit selected."""
+        query heads aggregated as for positions, every valid row of a chosen unit selected. The
+        kernel scores and ranks the units' summaries as it does positions' keys; shared units
+        take the tensor path."""
         k = self.knobs
+        block, hkv = k.block_tokens, self.adapter.num_kv_heads
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
-        n_units = -(-past // k.block_tokens)
-        s, ok = units.scores(q_part, self.adapter.scaling(layer), k.unit_keys)
-        s, ok = s[..., :n_units], ok[:, None, :n_units].expand(s.shape[0], self.adapter.num_kv_heads, n_units)
-        g = aggregate_group(s, ok, self.adapter.num_kv_heads, k.aggregation)
+        n_units, held = units.units_held(past)
+        ok = held[:, None, :].expand(held.shape[0], hkv, n_units)
+        budget_units = None if k.budget_tokens is None else max(1, k.budget_tokens // block)
+        floor_units = max(1, -(-k.min_tokens // block))
+        if k.unit_heads != "shared" and self._kernel_takes(units.summary.full, query):
+            q = units.query(q_part, self.adapter.scaling(layer), k.unit_keys)
+            chosen, counts = kernels.select(
+                units.summary.full, n_units, q, None if bool(held.all()) else ok, k.aggregation,
+                self.alpha(layer), budget, budget_units, floor_units,
+            )  # fmt: skip
+            slots = torch.arange(chosen.shape[-1]) < counts[..., None]
+            return expand_units(chosen, slots, valid, block)
+        s, _ = units.scores(q_part, self.adapter.scaling(layer), k.unit_keys)
+        g = aggregate_group(s[..., :n_units], ok, hkv, k.aggregation)
         if k.unit_heads == "shared":  # one choice for a token's heads: the heads' masses summed
             g = torch.logsumexp(torch.log_softmax(g, -1).nan_to_num(nan=-math.inf), 1, keepdim=True)
             ok = ok[:, :1]
-        return select_units(g, ok, valid, k.block_tokens, self.alpha(layer), budget, k.budget_tokens, k.min_tokens)
+        return select_units(g, ok, valid, block, self.alpha(layer), budget, k.budget_tokens, k.min_tokens)
+
+    @staticmethod
+    def _kernel_takes(keys: torch.Tensor, query: torch.Tensor, codes: bool = False) -> bool:
+        """Whether the selection kernel can score these keys (float, or quantized `codes`) for
+        this query (else the tensor path does)."""
+        return (
+            (codes or keys.dtype in kernels.KEY_FORMATS)
+            and keys.device.type == "cpu"
+            and query.shape[1] // keys.shape[1] <= kernels.MAX_GROUP
+            and kernels.available()
+        )
 
     def _kernel_reads(self, state, query: torch.Tensor) -> bool:
         """Whether the C kernels can score these partial keys (else the tensor path does)."""
         state = _partial(state)
         quantized = isinstance(state, QuantizedPartialKeys)
-        keys = state.codes.full if quantized else state.buffer.full
-        return (
-            (quantized or keys.dtype in kernels.KEY_FORMATS)
-            and keys.device.type == "cpu"
-            and query.shape[1] // keys.shape[1] <= kernels.MAX_GROUP
-            and kernels.available()
-        )
+        return self._kernel_takes(state.codes.full if quantized else state.buffer.full, query, quantized)
 
     def _kernel_operands(self, state, layer: int, query: torch.Tensor):
         """(keys, scaled partial query, scales or None, bias or None) as the kernels take them."""
@@ -365,9 +384,9 @@ class InfiniGenSelector(Selector):
         itemsize = torch.empty((), dtype=self.kv_dtype or kv_dtype).element_size()
         per_row = capacity * partial_bytes_per_position(fmt, c, itemsize) + (0 if fmt == "kv" else 8 * c)  # + mu, sigma
         units = 0
-        if self.knobs.unit_keys != "positions":  # float32 sums and squares per unit and head, a count per unit
+        if self.knobs.unit_keys != "positions":
             n = -(-capacity // self.knobs.block_tokens)
-            units = batch * n * (self.adapter.num_kv_heads * 2 * c * 4 + 4)
+            units = batch * n * UnitMoments.bytes_per_unit(self.adapter.num_kv_heads, c)
         return batch * self.adapter.num_kv_heads * per_row + units
 
     def weight_bytes(self) -> int:
