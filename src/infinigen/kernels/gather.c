@@ -46,49 +46,77 @@ void ig_aio_destroy(uint64_t ctx) {
 #endif
 }
 
-/* Read every (buffer, length, offset) request; 0, or -errno (-EIO for a short read). */
+#if HAVE_AIO
+/* Waits for the `inflight` requests still in the kernel's hands (after an error: their buffers
+   must not be reused while the device writes into them). */
+static void drain(uint64_t ctx, int64_t inflight, struct io_event *events) {
+    while (inflight > 0) {
+        long r = syscall(SYS_io_getevents, (aio_context_t)ctx, 1L, (long)(inflight < MAX_BATCH ? inflight : MAX_BATCH),
+                         events, NULL);
+        if (r < 0 && errno != EINTR) return;
+        if (r > 0) inflight -= r;
+    }
+}
+#endif
+
+/* Read every (buffer, length, offset) request; 0, or -errno (-EIO for a short read). With Linux
+   AIO, up to MAX_BATCH requests stay in flight: each one that completes frees its slot for the
+   next, so the device's queue never drains between batches. */
 static int64_t read_all(int fd, uint64_t ctx, int64_t n, uint8_t **bufs, const int64_t *lens, const int64_t *offs) {
 #if HAVE_AIO
     if (ctx) {
         struct iocb cbs[MAX_BATCH];
         struct iocb *ptrs[MAX_BATCH];
         struct io_event events[MAX_BATCH];
-        for (int64_t start = 0; start < n; start += MAX_BATCH) {
-            const int64_t k = n - start < MAX_BATCH ? n - start : MAX_BATCH;
-            for (int64_t i = 0; i < k; i++) {
-                memset(&cbs[i], 0, sizeof(cbs[i]));
-                cbs[i].aio_lio_opcode = IOCB_CMD_PREAD;
-                cbs[i].aio_fildes = (uint32_t)fd;
-                cbs[i].aio_buf = (uint64_t)(uintptr_t)bufs[start + i];
-                cbs[i].aio_nbytes = (uint64_t)lens[start + i];
-                cbs[i].aio_offset = offs[start + i];
-                cbs[i].aio_data = (uint64_t)i;
-                ptrs[i] = &cbs[i];
+        int64_t request_of[MAX_BATCH], free_slot[MAX_BATCH];
+        int64_t nfree = MAX_BATCH, next = 0, done = 0, inflight = 0;
+        for (int64_t s = 0; s < MAX_BATCH; s++) free_slot[s] = MAX_BATCH - 1 - s;
+        while (done < n) {
+            int64_t k = 0;
+            while (next < n && nfree > 0) {
+                const int64_t slot = free_slot[--nfree];
+                memset(&cbs[slot], 0, sizeof(cbs[slot]));
+                cbs[slot].aio_lio_opcode = IOCB_CMD_PREAD;
+                cbs[slot].aio_fildes = (uint32_t)fd;
+                cbs[slot].aio_buf = (uint64_t)(uintptr_t)bufs[next];
+                cbs[slot].aio_nbytes = (uint64_t)lens[next];
+                cbs[slot].aio_offset = offs[next];
+                cbs[slot].aio_data = (uint64_t)slot;
+                request_of[slot] = next++;
+                ptrs[k++] = &cbs[slot];
             }
             int64_t submitted = 0;
             while (submitted < k) {
                 long r = syscall(SYS_io_submit, (aio_context_t)ctx, (long)(k - submitted), ptrs + submitted);
                 if (r < 0) {
                     if (errno == EINTR || errno == EAGAIN) continue;
-                    if (submitted == 0) goto sync_fallback; /* e.g. this file system refuses AIO */
-                    return -errno;
+                    const int err = errno;
+                    if (done == 0 && inflight == 0 && submitted == 0) goto sync_fallback; /* e.g. no AIO here */
+                    drain(ctx, inflight + submitted, events);
+                    return -err;
                 }
                 submitted += r;
             }
-            int64_t done = 0;
-            while (done < k) {
-                long r = syscall(SYS_io_getevents, (aio_context_t)ctx, (long)(k - done), (long)(k - done),
-                                 events, NULL);
-                if (r < 0) {
-                    if (errno == EINTR) continue;
-                    return -errno;
-                }
-                for (long e = 0; e < r; e++) {
-                    const int64_t i = (int64_t)events[e].data;
-                    if (events[e].res < 0) return events[e].res;
-                    if ((int64_t)events[e].res != lens[start + i]) return -EIO;
-                }
-                done += r;
+            inflight += k;
+            long r = syscall(SYS_io_getevents, (aio_context_t)ctx, 1L, (long)inflight, events, NULL);
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                const int err = errno;
+                drain(ctx, inflight, events);
+                return -err;
+            }
+            int64_t failed = 0;
+            for (long e = 0; e < r; e++) {
+                const int64_t slot = (int64_t)events[e].data, i = request_of[slot];
+                if (events[e].res < 0) failed = failed ? failed : events[e].res;
+                else if ((int64_t)events[e].res != lens[i]) failed = failed ? failed : -EIO;
+                free_slot[nfree++] = slot;
+            }
+            inflight -= r;
+            done += r;
+            if (failed) {
+                drain(ctx, inflight, events);
+                return failed;
             }
         }
         return 0;
