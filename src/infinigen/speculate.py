@@ -302,6 +302,12 @@ def select_blocks(
     return select_units(blk_scores, blk_ok, valid, block, alpha, budget, budget_tokens, min_tokens)
 
 
+def in_units(budget_tokens: int | None, min_tokens: int, block: int) -> tuple[int | None, int]:
+    """The cap and the floor, given in positions, as whole units of `block`: the cap rounded
+    down, the floor up, each at least one unit (the selection kernel's rule too)."""
+    return (None if budget_tokens is None else max(1, budget_tokens // block)), max(1, -(-min_tokens // block))
+
+
 def select_units(
     scores: torch.Tensor,
     unit_ok: torch.Tensor,
@@ -315,15 +321,7 @@ def select_units(
     """The rule over units already scored ([B, Hkv or 1, units], -inf where `unit_ok` is False),
     budget and floor converted to units; every valid position (`valid` [B, Hkv, T]) of a chosen
     unit is selected, for every KV head when the units are shared."""
-    b, hkv, t = valid.shape
-    blk_sel = select_positions(
-        scores,
-        unit_ok,
-        alpha,
-        budget,
-        None if budget_tokens is None else max(1, budget_tokens // block),
-        max(1, -(-min_tokens // block)),
-    )
+    blk_sel = select_positions(scores, unit_ok, alpha, budget, *in_units(budget_tokens, min_tokens, block))
     return expand_units(blk_sel.indices, blk_sel.valid, valid, block)
 
 

@@ -47,6 +47,7 @@ from infinigen.speculate import (
     Selection,
     aggregate_group,
     expand_units,
+    in_units,
     is_all_valid,
     partial_projection,
     partial_scores,
@@ -333,13 +334,11 @@ class InfiniGenSelector(Selector):
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
         n_units, held = units.units_held(past)
         ok = held[:, None, :].expand(held.shape[0], hkv, n_units)
-        budget_units = None if k.budget_tokens is None else max(1, k.budget_tokens // block)
-        floor_units = max(1, -(-k.min_tokens // block))
         if k.unit_heads != "shared" and self._kernel_takes(units.summary.full, query):
             q = units.query(q_part, self.adapter.scaling(layer), k.unit_keys)
             chosen, counts = kernels.select(
                 units.summary.full, n_units, q, None if bool(held.all()) else ok, k.aggregation,
-                self.alpha(layer), budget, budget_units, floor_units,
+                self.alpha(layer), budget, *in_units(k.budget_tokens, k.min_tokens, block),
             )  # fmt: skip
             slots = torch.arange(chosen.shape[-1]) < counts[..., None]
             return expand_units(chosen, slots, valid, block)
