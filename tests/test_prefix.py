@@ -77,7 +77,7 @@ def test_a_prefix_of_other_tokens_or_for_a_policy_that_watches_the_prefill_is_re
 
 
 def test_the_demo_decodes_a_batch_from_one_prefill_and_reports_on_one_scale(tiny_model_dir, capsys, monkeypatch):
-    """`infinigen demo` end to end on a tiny model: four policies over a batch, three from one prefill,
+    """`infinigen demo` end to end on a tiny model: three policies over a batch from one prefill,
     full fetch's rows the same tokens as dense, and what each keeps as a share of dense's 16-bit
     KV (dense's own fp32 KV is twice that)."""
     import re
@@ -91,12 +91,12 @@ def test_the_demo_decodes_a_batch_from_one_prefill_and_reports_on_one_scale(tiny
     argv = ["demo", "--model", str(tiny_model_dir), "--prompt-tokens", "300", "--max-new-tokens", "4"]
     assert main([*argv, "--batch", "2", "--quiet", "--calibration-tokens", "64"]) == 0
     out = capsys.readouterr().out
-    assert calls == [1]  # one prefill replayed (H2O prefills itself, for the prefill's attention)
+    assert calls == [1]  # one prefill for the three policies
     rows = {
         m.group(1): m
-        for m in re.finditer(r"^\s*(dense|full|h2o|infinigen) .*?([\d.]+) MiB = (\d+)%\s+first (\d) of 4", out, re.M)
+        for m in re.finditer(r"^\s*(dense|full|infinigen) .*?([\d.]+) MiB = (\d+)%\s+first (\d) of 4", out, re.M)
     }
-    assert set(rows) == {"dense", "full", "h2o", "infinigen"}
+    assert set(rows) == {"dense", "full", "infinigen"}
     assert rows["dense"].group(4) == rows["full"].group(4) == "4"  # full fetch is exact
     assert 190 <= int(rows["dense"].group(3)) <= 210  # fp32 as computed against dense's fp16 KV
     # InfiniGen aims at 12.5 % of dense's KV by default; a tiny model's buffers outweigh its KV, so

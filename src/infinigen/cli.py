@@ -41,7 +41,7 @@ exit status: 0 done, 2 bad input (flags, settings, files, prompts, models), 1 re
 DEMO_PROMPT = "areopagitica_opening.txt"
 DEMO_PROMPT_TOKENS = 8000  # near SmolLM2's 8192 positions: the long context the method is for
 DEMO_BATCH = 8  # rows: where reading the KV, not the weights, weighs most in a step (docs/results.md)
-DEMO_NEW_TOKENS = 32  # with a batch of 8, a few minutes for the four policies on two cores
+DEMO_NEW_TOKENS = 32  # with a batch of 8, a few minutes for the three policies on two cores
 # Settings `infinigen eval` sets itself for every run; `--set` may override any other.
 EVAL_FIXED = ("policy", "alpha", "budget")
 SUITES = ("ppl", "passkey", "needle", "sensitivity", "variants", "ruler")
@@ -139,14 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_ROWS = (
-    ("dense", "with the compute, as computed"),
-    ("full", "every row from the slow tier"),
-    ("h2o", ""),
-    ("infinigen", ""),
-)
-# H2O ranks positions by the prefill's attention, which a replayed prefix does not hold: it prefills on its own.
-PREFILLS_ITSELF = ("h2o",)
+DEMO_ROWS = (("dense", "with the compute, as computed"), ("full", "every row from the slow tier"), ("infinigen", ""))
 # The demo's last row: InfiniGen again with the other `compute_memory`, so that the row above shows
 # what the default aim costs (or, when a run sets no budget, what the aim would).
 DEMO_VARIANTS = {AUTO: ("ig no budget", None), None: ("ig auto", AUTO)}
@@ -166,11 +159,10 @@ def _skew_command_for(args: argparse.Namespace, config):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Dense attention with the KV in RAM, full-fetch offloading, H2O and InfiniGen from the slow
+    """Dense attention with the KV in RAM, full-fetch offloading and InfiniGen from the slow
     tier (disk by default), on the same prompt repeated over a batch, greedy: speed, bytes read,
-    what each keeps with the compute, agreement with dense, and the text. The prompt is prefilled
-    once by the plain model and replayed into each policy's cache but H2O's (it prefills itself,
-    for the prefill's attention): all prefill with dense attention. A last
+    what each keeps with the compute, and the text. The prompt is prefilled once by the plain
+    model and replayed into each policy's cache: all three prefill with dense attention. A last
     row runs InfiniGen again without a budget when it ran with the default aim (`compute_memory`
     auto), with the aim when it ran without one (`DEMO_VARIANTS`); with a budget of its own, not."""
     from infinigen.generation import check_context, run_generation
@@ -194,11 +186,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             cfg = config.speed_reference()
         else:
             cfg = config.replace(policy=policy, host_capacity=None) if policy != "infinigen" else config
-        own = policy in PREFILLS_ITSELF
         runs[policy] = run_generation(
-            model, tok, [prompt] * args.batch, cfg, args.max_new_tokens, progress=not args.quiet,
-            prefix=None if own else prefix,
-        )  # fmt: skip
+            model, tok, [prompt] * args.batch, cfg, args.max_new_tokens, progress=not args.quiet, prefix=prefix
+        )
     variant = DEMO_VARIANTS.get(config.compute_memory)
     other = None
     if variant is not None:  # the same with the other compute_memory: what the aim costs, measured
@@ -210,8 +200,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(
         f"\nprompt: {dense.prompt_tokens} tokens of {source}, {args.batch} rows (the prompt repeated: each row's KV "
         f"is stored, read and attended on its own); prefilled once by the plain model in {prefix.seconds:.1f} s and "
-        f"replayed into each policy's cache ({', '.join(PREFILLS_ITSELF)} prefills on its own: it ranks by the "
-        f"prefill's attention); {dense.new_tokens} new tokens, greedy\n"
+        f"replayed into each policy's cache; {dense.new_tokens} new tokens, greedy\n"
     )
     print(f"infinigen's continuation:\n{ig.text[0]}\n")
     head = (
@@ -546,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo",
-        help="dense (RAM), full fetch, H2O and InfiniGen (disk; by default within 12.5%% of dense's KV, and again without "
+        help="dense (RAM), full fetch and InfiniGen (disk; by default within 12.5%% of dense's KV, and again without "
         "that aim) side by side on a long prompt",
     )
     _add_model_args(d)
