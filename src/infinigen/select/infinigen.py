@@ -56,6 +56,7 @@ from infinigen.speculate import (
     select_units,
     selection_mask,
     top_up,
+    unit_scores,
 )
 from infinigen.validation import Rule, at_least, fraction, knob, one_of
 
@@ -344,9 +345,8 @@ class InfiniGenSelector(Selector):
             return expand_units(chosen, slots, valid, block)
         s, _ = units.scores(q_part, self.adapter.scaling(layer), k.unit_keys)
         g = aggregate_group(s[..., :n_units], ok, hkv, k.aggregation)
-        if k.unit_heads == "shared":  # one choice for a token's heads: the heads' masses summed
-            g = torch.logsumexp(torch.log_softmax(g, -1).nan_to_num(nan=-math.inf), 1, keepdim=True)
-            ok = ok[:, :1]
+        if k.unit_heads == "shared":  # one choice for a token's heads: the heads' masses summed, as for positions
+            g, ok = unit_scores(g, ok, 1, "mass", shared=True)
         return select_units(g, ok, valid, block, self.alpha(layer), budget, k.budget_tokens, k.min_tokens)
 
     @staticmethod
