@@ -31,12 +31,15 @@ def _generate(model, ids, mask, cache, n=6):
         ("infinigen", 1.0, {}),
         ("full", 5.0, {}),
         ("infinigen", math.inf, {"budget": 0.15, "correction": 0.05}),  # the top-up is a second gather
+        ("infinigen", math.inf, {"block_tokens": 4}),  # units: the same on both tiers when named
     ],
 )
 def test_disk_tier_matches_ram_tier_bit_for_bit(tmp_path, policy, alpha, extra):
     model = tiny_model("llama")
     ids, mask = left_padded_batch(length=100, pad=6)  # 64 positions per 4 KiB block at d = 16: disk and RAM tail
-    base = InfiniGenConfig(policy=policy, alpha=alpha, calibration_tokens=64, kv_dtype="float16", min_tokens=2, **extra)
+    # Row by row unless a unit is named: left unset, each tier would choose in its own read unit.
+    unit = {"block_tokens": 1, **extra}
+    base = InfiniGenConfig(policy=policy, alpha=alpha, calibration_tokens=64, kv_dtype="float16", min_tokens=2, **unit)
     with attach(model, base, progress=False) as session:
         ram = session.new_cache(base)
         out_ram = _generate(model, ids, mask, ram)
@@ -52,7 +55,9 @@ def test_disk_tier_matches_ram_tier_bit_for_bit(tmp_path, policy, alpha, extra):
     assert len(offloaded) == len(s_disk["per_layer"]) - (2 if policy == "infinigen" else 0)  # dense layers on compute
     assert len(files) == len(offloaded)  # one file per offloaded layer, none with a name
     assert s_ram["rows_fetched"] == s_disk["rows_fetched"]
-    assert s_ram["correction_bytes"] == s_disk["correction_bytes"] and (s_ram["correction_bytes"] > 0) == bool(extra)
+    assert s_ram["correction_bytes"] == s_disk["correction_bytes"] and (s_ram["correction_bytes"] > 0) == (
+        "correction" in extra
+    )
     assert s_disk["bytes_fetched"] >= s_ram["bytes_fetched"]  # whole 4 KiB blocks
     assert s_disk["read_amplification"] >= 1.0 and s_ram["read_amplification"] == 1.0
     assert 0 < s_disk["bytes_cached"] < s_disk["bytes_fetched"]  # the unwritten tail block came from RAM
@@ -302,7 +307,7 @@ def test_every_row_read_in_chunks_attends_as_the_whole_layer_does(tmp_path, tier
     ids, mask = left_padded_batch(length=100, pad=6)
     base = InfiniGenConfig(
         policy=policy, calibration_tokens=64, kv_dtype="float16", min_tokens=2, tier=tier,
-        kv_dir=str(tmp_path), dense_layers_on_compute=False,
+        kv_dir=str(tmp_path), dense_layers_on_compute=False, block_tokens=1,
     )  # fmt: skip
     with attach(model, base, progress=False) as session:
         whole = session.new_cache(base)

@@ -88,7 +88,8 @@ def test_two_runs_share_one_kv_directory(tiny_model_dir, tmp_path):
     kv_dir = tmp_path / "kv"
     kv_dir.mkdir()
     cache = tmp_path / "cache"
-    extra = ("--policy", "infinigen", "--calibration-tokens", "256", "--alpha", "3", "--json")
+    # row by row: left unset, the disk would choose in its blocks and the RAM run below in rows
+    extra = ("--policy", "infinigen", "--calibration-tokens", "256", "--alpha", "3", "--block-tokens", "1", "--json")
     first = _generate(tiny_model_dir, kv_dir, cache, 200, *extra)
     second = None
     try:

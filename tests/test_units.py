@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import left_padded_batch, tiny_model
+from conftest import VOCAB, left_padded_batch, tiny_model
 from infinigen import InfiniGenConfig, attach
 from infinigen.select.unit_moments import UnitMoments
 from test_sparse import _forced, masked_replay, selections_by_step
@@ -121,3 +121,41 @@ def test_the_kernel_ranks_unit_moments_as_the_tensor_path_does(how, aggregation)
             left = [u for u in range(n_units) if u not in got and ok[row, h, u]]
             worst_in = min(ref_scores[row, h, u].item() for u in got)
             assert all(ref_scores[row, h, u].item() <= worst_in + 1e-4 for u in left)
+
+
+def test_the_disk_tier_selects_in_its_read_unit_and_reads_fewer_blocks_than_row_by_row(tmp_path):
+    """Left unset, the unit is the tier's read unit: on disk a block's positions of one KV head,
+    with the unit defaults (budget `UNIT_BUDGET`, no correction), every unit chosen whole, and
+    fewer disk bytes read per row attended than row by row at the same budget (whose rows each
+    cost a block); on the RAM tier the unit is a row and the settings stay as given."""
+    from infinigen.select import UNIT_BUDGET
+    from infinigen.storage import read_unit
+
+    model = tiny_model("llama")
+    torch.manual_seed(3)
+    ids = torch.randint(0, VOCAB, (1, 200))
+    d = model.config.hidden_size // model.config.num_attention_heads
+    unit = read_unit("disk", "native", d, torch.float32, tmp_path)
+    assert unit == 4096 // (2 * d * 4) or unit > 1  # a 4 KiB block, or the file system's larger one
+    disk = InfiniGenConfig(calibration_tokens=64, kv_dtype="float32", tier="disk", kv_dir=str(tmp_path))
+    amplification = {}
+    with attach(model, disk, progress=False) as session:
+        for name, config in (("default", disk), ("rows", disk.replace(block_tokens=1, budget=UNIT_BUDGET))):
+            cache = session.new_cache(config, max_length=ids.shape[1] + 4, trace=True)
+            model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+            amplification[name] = cache.summary()["read_amplification"]
+            cache.close()
+            if name == "default":
+                resolved = (cache.config.block_tokens, cache.config.budget, cache.config.correction)
+                assert resolved == (unit, UNIT_BUDGET, 0.0)
+                for past, layers in selections_by_step(cache.trace).items():
+                    for indices, valid in layers.values():
+                        for h in range(indices.shape[1]):
+                            picked = set(indices[0, h][valid[0, h]].tolist())
+                            whole = [set(range(p - p % unit, min(p - p % unit + unit, past))) for p in picked]
+                            assert picked and all(w <= picked for w in whole)
+        ram = session.new_cache(disk.replace(tier="ram", kv_dir=None))
+        assert (ram.config.block_tokens, ram.config.budget, ram.config.correction) == (1, None, None)
+        explicit = session.new_cache(disk.replace(budget=0.3))
+        assert (explicit.config.block_tokens, explicit.config.budget) == (unit, 0.3)
+    assert amplification["default"] < amplification["rows"] / 2

@@ -206,9 +206,9 @@ class Session:
         model's context and 1); trace: keep a record of every transfer (`cache.trace`)."""
         if not self.attached:
             raise RuntimeError("this session is detached: attach the model again to make a cache")
-        config = config or self.config
-        request = Request(batch or 1, max_length or self.adapter.max_positions)
         dtype = next(self.model.parameters()).dtype
+        config = (config or self.config).in_read_units(self.adapter.head_dim, dtype)  # its unit, made concrete
+        request = Request(batch or 1, max_length or self.adapter.max_positions)
         planned = plan(config, self.adapter, self.selector_for, request, dtype)  # refuses what cannot fit
         config = planned.config
         observer = self._observer_for(config) if self._observer_for is not None else None
@@ -222,6 +222,7 @@ class Session:
     def selector_for(self, config: InfiniGenConfig) -> Selector | None:
         """The selector of `config` in this session (None for a policy that reads every row)."""
         config.check_layers(self.adapter.num_layers)
+        config = config.in_read_units(self.adapter.head_dim, next(self.model.parameters()).dtype)
         artifact = self._artifact_for(config) if config.spec.calibrated else None
         return make_selector(config, self.adapter, artifact, folded=self.folded)
 

@@ -341,7 +341,7 @@ def report(
         f"query mass (Σq²) in the top-{config.partial_ratio:.0%} channels, mean over layers: "
         f"unskewed {plain / adapter.num_layers:.3f}, skewed {skewed / adapter.num_layers:.3f}"
     )
-    cfg = config.replace(policy="infinigen")
+    cfg = config.replace(policy="infinigen").in_read_units(adapter.head_dim, next(model.parameters()).dtype)
     top_ups = ", ".join(f"{i}: {c:.1%}" for i, c in sorted(corrections_chosen(cfg, adapter, artifact).items()))
     target = resolve_measured(cfg.knobs(SpeculationKnobs), artifact, cfg).correction_target
     how = (

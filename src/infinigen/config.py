@@ -36,9 +36,9 @@ import torch
 from infinigen.roles import Role
 from infinigen.select import SELECTORS
 from infinigen.select.base import SELECTING_BUDGET as SELECTING_BUDGET  # declared with the selectors; named here too
-from infinigen.select.base import PolicySpec, UnitSelection
+from infinigen.select.base import UNIT_BUDGET, PolicySpec, UnitSelection
 from infinigen.select.infinigen import SpeculationKnobs as SpeculationKnobs  # likewise (calibration reads it)
-from infinigen.storage import COPY_ENGINES, EVICTIONS, TIERS, check_combination
+from infinigen.storage import COPY_ENGINES, EVICTIONS, TIERS, check_combination, read_unit
 from infinigen.validation import (
     ConfigError,
     Rule,
@@ -258,6 +258,27 @@ class InfiniGenConfig(*SELECTOR_KNOBS):
         """Every layer's role for a model (`adapter`: its layer count and which layers slide):
         the one list the cache, the planner, the selectors and the evaluator act on."""
         return [self.layer_role(i, local=adapter.is_local(i)) for i in range(adapter.num_layers)]
+
+    def in_read_units(self, head_dim: int, compute_dtype: torch.dtype) -> InfiniGenConfig:
+        """This config with the unit its selector chooses in made concrete: `block_tokens` left
+        unset becomes the tier's read unit (`storage.read_unit`: a disk block's positions of one
+        KV head, one row elsewhere), so that every row read is attended. In units of several
+        positions an unset budget is `UNIT_BUDGET` (a unit reads no row it does not attend, so a
+        larger share of the context costs fewer bytes than `SELECTING_BUDGET` row by row from a
+        block tier) and an unset correction is 0 (its calibrated top-up is row by row). The one
+        place these defaults are decided; a session's caches and selectors are made from its
+        result (head_dim: the model's; compute_dtype: what the KV is computed in)."""
+        name = self.spec.selector
+        if name is None or not issubclass(SELECTORS[name].Knobs, UnitSelection):
+            return self
+        dtype = self.storage_dtype() or compute_dtype
+        unit = self.block_tokens or read_unit(self.tier, self.spec.fmt, head_dim, dtype, self.kv_dir)
+        changes: dict[str, Any] = {"block_tokens": unit}
+        if unit > 1 and self.budget is None:
+            changes["budget"] = UNIT_BUDGET
+        if unit > 1 and self.correction is None:
+            changes["correction"] = 0.0
+        return self.replace(**changes)
 
     def threads(self, current: int) -> int:
         """Intra-op threads for this config, given torch's `current` count: an offloading policy

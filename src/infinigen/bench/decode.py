@@ -232,7 +232,7 @@ def run_child(args: argparse.Namespace) -> dict:
         "dense_kv_bytes": dense_kv_bytes(adapter, b, context + steps, reference),
         "layers_offloaded": 0 if dense else global_layers,
         "tier": "compute" if dense else cfg.tier,
-        "config": None if hf_dense else cfg.to_dict(),
+        "config": None if hf_dense else cache.config.to_dict(),  # as the cache resolved it (its unit)
         "plan": s.get("plan"),  # within compute_memory: the budget in bytes and what the cache gave up for it
         "profile": _profile_top(profiler, args.profile) if profiler is not None else None,
     }

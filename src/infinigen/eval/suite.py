@@ -336,7 +336,9 @@ class EvalRunner:
         for ds in st.datasets:
             for ctx in contexts:
                 runs = [("dense", None, InfiniGenConfig(policy="dense"))]
-                runs += [("oracle", b, InfiniGenConfig(policy="oracle", budget=b, kv_dtype=st.kv_dtype))]
+                runs += [
+                    ("oracle", b, InfiniGenConfig(policy="oracle", budget=b, kv_dtype=st.kv_dtype, block_tokens=1))
+                ]
                 runs += [(name, kw.get("budget", b), InfiniGenConfig(**{**common, **kw})) for name, kw in variants]
                 if st.variants is None:
                     # Quest's loss comes from its page bound, not from being query-aware: smaller pages.

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from infinigen.roles import Role
-from infinigen.select.base import SELECTING_BUDGET, PolicySpec, SelectionBudget, Selector
+from infinigen.select.base import SELECTING_BUDGET, UNIT_BUDGET, PolicySpec, SelectionBudget, Selector
 from infinigen.select.h2o import H2OSelector
 from infinigen.select.infinigen import (
     InfiniGenSelector,
@@ -70,8 +70,10 @@ class Settings(Protocol):
 
 
 def make_selector(config: Settings, adapter, artifact=None, folded: bool = False) -> Selector | None:
-    """The selector of `config.policy` (None for a policy that reads every row). InfiniGen's
-    needs the skew artifact (`folded`: the skew is already in the model's weights)."""
+    """The selector of `config.policy` (None for a policy that reads every row), in the unit
+    `config` names (the config makes a unit left to the tier concrete: `in_read_units`; unset
+    here, it is one position). InfiniGen's needs the skew artifact (`folded`: the skew is
+    already in the model's weights)."""
     name = config.spec.selector
     if name is None:
         return None
@@ -184,6 +186,7 @@ def layer_devices(adapter) -> dict[int, torch.device]:
 
 __all__ = [
     "SELECTING_BUDGET",
+    "UNIT_BUDGET",
     "SELECTORS",
     "NotCalibratedError",
     "PolicySpec",

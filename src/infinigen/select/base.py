@@ -29,7 +29,7 @@ import torch
 
 from infinigen.growing import GrowingTensor
 from infinigen.skew.query_map import project_queries
-from infinigen.speculate import UNIT_HEADS, Selection
+from infinigen.speculate import UNIT_HEADS, Selection, in_units
 from infinigen.validation import Validated, at_least, fraction, knob, one_of
 
 
@@ -53,6 +53,9 @@ class PolicySpec:
 
 
 SELECTING_BUDGET = 0.1  # the budget of every selecting policy unless one is given: 10 % of the context
+# The budget of a selection in units of several positions unless one is given: every row read is attended,
+# so 20 % in units reads fewer bytes than 10 % row by row from a block tier (docs/results.md, "Units").
+UNIT_BUDGET = 0.2
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,12 @@ class UnitSelection(SelectionBudget):
     a token's heads (`speculate.select_blocks`); declared once for the selectors that rank by
     attention (InfiniGen, and the oracle as its bound)."""
 
-    block_tokens: int = knob(
-        1,
-        "select aligned units of this many positions, every row of a chosen unit attended (16 matches a 4 KiB "
-        "disk block at d = 64)",
+    block_tokens: int | None = knob(
+        None,
+        "select aligned units of this many positions, every row of a chosen unit attended; default: the tier's "
+        "read unit (a disk block's positions of one KV head: 16 at d = 64 in 16 bits; one row on the ram and "
+        f"pinned tiers); in units the default budget is {UNIT_BUDGET:g} and correction 0 (the correction's "
+        "top-up is row by row)",
         at_least(1),
         advanced=True,
     )
@@ -90,6 +95,11 @@ class UnitSelection(SelectionBudget):
         one_of(UNIT_HEADS),
         advanced=True,
     )
+
+    @property
+    def units(self) -> int:
+        """Positions per unit chosen (`block_tokens` unresolved, as when no tier is known: one)."""
+        return self.block_tokens or 1
 
 
 class PrefillWeights(Protocol):
@@ -183,12 +193,15 @@ class Selector:
 
     def max_rows(self, layer: int, positions: int) -> int:
         """The most rows one step of `layer` selects among `positions` (its budget, capped by
-        `budget_tokens`, floored by `min_tokens`): what its transfer buffers must hold."""
+        `budget_tokens`, floored by `min_tokens`, in whole units): what its transfer buffers must hold."""
         k, fraction = self.knobs, self.budget(layer)
-        rows = positions if fraction >= 1.0 else math.ceil(fraction * positions)
-        if getattr(k, "budget_tokens", None) is not None:
-            rows = min(rows, k.budget_tokens)
-        return max(rows, getattr(k, "min_tokens", 1))
+        unit = getattr(k, "units", 1)  # in units: whole units of the budget, the cap and the floor
+        cap, floor = in_units(getattr(k, "budget_tokens", None), getattr(k, "min_tokens", 1), unit)
+        n = -(-positions // unit)
+        count = n if fraction >= 1.0 else math.ceil(fraction * n)
+        if cap is not None:
+            count = min(count, cap)
+        return max(count, floor) * unit
 
     def state_bytes(self, layer: int, batch: int, positions: int, capacity: int, kv_dtype: torch.dtype) -> int:
         """What its state of `layer` holds with the compute at `positions` for `batch` rows (`capacity`:

@@ -121,7 +121,7 @@ class SpeculationKnobs(UnitSelection):
         advanced=True,
     )
     unit_score: str = knob(
-        "max",
+        "mass",
         "with block_tokens > 1: how a unit is scored from its positions' speculated scores: max (its best), "
         "mass (its summed estimated attention) or top2 (the mean of its two best)",
         one_of(UNIT_SCORES),
@@ -285,7 +285,7 @@ class InfiniGenSelector(Selector):
         partial = PartialKeys() if fmt == "kv" else QuantizedPartialKeys(fmt)
         if self.knobs.unit_keys == "positions":
             return partial
-        return WithUnits(partial, UnitMoments(self.knobs.block_tokens))
+        return WithUnits(partial, UnitMoments(self.knobs.units))
 
     def on_append(self, state, layer, keys, valid) -> None:
         kp = project_partial(keys, self.proj[layer])
@@ -316,13 +316,13 @@ class InfiniGenSelector(Selector):
             keys, q, scales, bias = self._kernel_operands(state, layer, query)
             idx, counts = kernels.select(
                 keys, past, q, None if is_all_valid(valid) else valid, k.aggregation, self.alpha(layer),
-                budget, k.budget_tokens, k.min_tokens, scales=scales, block=k.block_tokens, bias=bias,
+                budget, k.budget_tokens, k.min_tokens, scales=scales, block=k.units, bias=bias,
                 unit_score=k.unit_score,
             )  # fmt: skip
             return _selection(idx, counts)
         g = self.scores(state, layer, query, past, valid)
         return select_blocks(
-            g, valid, k.block_tokens, self.alpha(layer), budget, k.budget_tokens, k.min_tokens, k.unit_score, shared
+            g, valid, k.units, self.alpha(layer), budget, k.budget_tokens, k.min_tokens, k.unit_score, shared
         )
 
     def _select_by_unit_keys(self, units: UnitMoments, layer, query, past, valid, budget) -> Selection:
@@ -331,7 +331,7 @@ class InfiniGenSelector(Selector):
         kernel scores and ranks the units' summaries as it does positions' keys; shared units
         take the tensor path."""
         k = self.knobs
-        block, hkv = k.block_tokens, self.adapter.num_kv_heads
+        block, hkv = k.units, self.adapter.num_kv_heads
         q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
         n_units, held = units.units_held(past)
         ok = held[:, None, :].expand(held.shape[0], hkv, n_units)
@@ -384,7 +384,7 @@ class InfiniGenSelector(Selector):
         per_row = capacity * partial_bytes_per_position(fmt, c, itemsize) + (0 if fmt == "kv" else 8 * c)  # + mu, sigma
         units = 0
         if self.knobs.unit_keys != "positions":
-            n = -(-capacity // self.knobs.block_tokens)
+            n = -(-capacity // self.knobs.units)
             units = batch * n * UnitMoments.bytes_per_unit(self.adapter.num_kv_heads, c)
         return batch * self.adapter.num_kv_heads * per_row + units
 

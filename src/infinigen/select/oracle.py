@@ -79,11 +79,9 @@ class OracleSelector(Selector):
         probs = true_probs(query, state.keys[:, :, :past], valid, self.adapter.scaling(layer_idx))
         mass = group_sum(probs, self.adapter.num_kv_heads)
         k = self.knobs
-        if k.block_tokens > 1 or k.unit_heads == "shared":  # units ranked by their true mass: the units' bound
+        if k.units > 1 or k.unit_heads == "shared":  # units ranked by their true mass: the units' bound
             log_mass = mass.clamp(min=1e-38).log().masked_fill(~valid, -math.inf)
             shared = k.unit_heads == "shared"
-            return select_blocks(
-                log_mass, valid, k.block_tokens, math.inf, k.budget, k.budget_tokens, 1, "mass", shared
-            )
+            return select_blocks(log_mass, valid, k.units, math.inf, k.budget, k.budget_tokens, 1, "mass", shared)
         count = budget_counts(valid.sum(-1), k.budget, k.budget_tokens)
         return selection_from_mask(top_mass(mass, valid, count))

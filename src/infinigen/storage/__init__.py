@@ -17,7 +17,9 @@ import torch
 from infinigen.storage.base import KVCapacityError, KVStorageError, KVTier, TransferStats, rows_dtype
 from infinigen.storage.copyengine import COPY_ENGINES, CopyEngine, CudaCopyEngine, ThreadCopyEngine, new_copy_engine
 from infinigen.storage.disk import DiskTier, IOThreads, check_space, reserved_bytes
+from infinigen.storage.disk_file import kv_directory
 from infinigen.storage.int4 import GROUP, Int4RamTier, fake_quantize_int4, int4_row_bytes
+from infinigen.storage.layout import block_size, record_bytes
 from infinigen.storage.pinned import PinnedTier
 from infinigen.storage.pool import EVICTIONS, PooledTier, capacity_slots
 from infinigen.storage.ram import RamTier
@@ -43,6 +45,19 @@ def row_bytes(fmt: str, head_dim: int, kv_dtype: torch.dtype) -> int:
     if fmt == "int4":
         return int4_row_bytes(head_dim, GROUP)
     return 2 * head_dim * torch.empty((), dtype=kv_dtype).element_size()
+
+
+def read_unit(
+    tier: str, fmt: str, head_dim: int, kv_dtype: torch.dtype, directory: str | os.PathLike | None = None
+) -> int:
+    """Positions of one KV head that one read of the tier brings back whole: a disk block's
+    records (the file keeps a head's positions in order, so a block holds consecutive ones), one
+    row for the tiers that gather rows (RAM, pinned, int4). A selector that chooses in these
+    units attends every row it reads."""
+    if tier != "disk" or fmt != "native":
+        return 1
+    block = block_size(kv_directory(directory))
+    return max(block // record_bytes(row_bytes(fmt, head_dim, kv_dtype), block), 1)
 
 
 def roundtrip(fmt: str, x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
@@ -204,6 +219,7 @@ __all__ = [
     "Storage",
     "TransferStats",
     "check_combination",
+    "read_unit",
     "roundtrip",
     "row_bytes",
     "rows_dtype",
