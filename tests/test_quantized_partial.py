@@ -123,6 +123,42 @@ def test_kernel_scores_the_codes_as_the_dequantized_reference(fmt, agg, budget):
 
 
 @pytest.mark.usefixtures("_kernel")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("c", [1, 7, 40])
+def test_kernel_quantizes_new_keys_bit_for_bit_as_the_tensor_path(fmt, c):
+    """Codes and float16 scales written in place by the kernel equal `quantize`'s, including
+    scales that round to float16 subnormals, to its largest values, past it to infinity (every
+    code 0), and a row of zeros; columns beside the written ones are left alone."""
+    torch.manual_seed(c)
+    b, hkv, n, cap, at = 2, 3, 5, 16, 9
+    keys = torch.randn(b, hkv, n, c)
+    keys[0, 0] *= 1e-7  # scales far below float16's normals
+    keys[0, 1] *= 3e-5  # around its smallest normal
+    keys[0, 2] *= 1e6  # up to and past its largest value
+    keys[1, 0, 0] = 0.0
+    ties = [float(LEVELS[fmt]), 0.5, 1.5, 2.5, -2.5, 3.5, -0.5]  # a scale of exactly 1: codes at x.5
+    keys[1, 1] = torch.tensor((ties * c)[:c])[None]
+    mu = torch.zeros(b, hkv, c)
+    mu[1, 2] = torch.randn(c)
+    sigma = torch.rand(b, hkv, c) + 0.5
+    sigma[0, 2] = 1e-3
+    sigma[1, 1] = 1.0
+    want_codes, want_scales = quantize(keys - mu[:, :, None, :], sigma, fmt)
+    rows = c if fmt == "int8" else (c + 1) // 2
+    codes = torch.full((b, hkv, rows, cap), 0x55, dtype=want_codes.dtype)
+    scales = torch.full((b, hkv, 1, cap), 0.25, dtype=torch.float16)
+    assert kernels.quantize_keys(keys, mu, sigma, codes, scales, at)
+    assert torch.equal(codes[..., at : at + n], want_codes)
+    assert torch.equal(scales[..., at : at + n].view(torch.int16), want_scales.view(torch.int16))
+    assert (codes[..., :at] == 0x55).all() and (scales[..., :at] == 0.25).all()
+    assert torch.isinf(want_scales).any() and (want_scales.float().abs() < 6.1e-5).any()
+    if c > 4:
+        assert want_codes.dtype != torch.int8 or want_codes[1, 1, 1:5, 0].tolist() == [0, 2, 2, -2]
+    assert not kernels.quantize_keys(keys.double(), mu, sigma, codes, scales, at)  # not a format it reads
+    assert not kernels.quantize_keys(keys, mu, sigma, codes, scales, cap - 1)  # no room
+
+
+@pytest.mark.usefixtures("_kernel")
 def test_kernel_refuses_codes_without_matching_scales():
     stored, scales, kq, bias, *_ = _exact_case(0, "int8")
     with pytest.raises(ValueError, match="scales"):

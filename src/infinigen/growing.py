@@ -65,13 +65,21 @@ class GrowingTensor:
     def append(self, x: torch.Tensor) -> torch.Tensor:
         """Write `x` after what is held (growing by a quarter); returns the filled part."""
         n = x.shape[self.dim]
+        start = self.length
+        self.claim(n, x)
+        self._buf.narrow(self.dim, start, n).copy_(x)
+        return self.data
+
+    def claim(self, n: int, like: torch.Tensor | None = None) -> torch.Tensor:
+        """Room for `n` positions after what is held (growing by a quarter), counted as held, for a
+        writer that fills `full` in place; returns `full`. `like` shapes the first allocation
+        (afterwards the buffer shapes its own growth)."""
         end = self.length + n
         have = 0 if self._buf is None else self._buf.shape[self.dim]
         if end > have:
-            self.reserve(x, max(self.capacity, grown_size(have, end)))
-        self._buf.narrow(self.dim, self.length, n).copy_(x)
+            self.reserve(like if self._buf is None else self._buf, max(self.capacity, grown_size(have, end)))
         self.length = end
-        return self.data
+        return self._buf
 
     def clear(self) -> None:
         self._buf, self.length = None, 0

@@ -6,7 +6,8 @@ and holds the interpreter lock, which on a CPU adds up to a large share of a ste
 does the selection rule in one pass; `gather.c` does a disk tier's gather (RAM tail, block
 cache, coalesced reads all in flight through Linux AIO, row assembly) without the interpreter
 lock; `attend.c` attends a decode position over rows as stored in 16 bits, widening them in
-registers instead of through a float copy. They are plain C99 built with the system C compiler (``$CC``, else ``cc``) for the CPU
+registers instead of through a float copy; `quantize.c` quantizes new partial keys into their
+buffers. They are plain C99 built with the system C compiler (``$CC``, else ``cc``) for the CPU
 they run on, cached under the infinigen cache folder keyed by the sources, the compiler flags
 and the CPU, and called through ctypes (no Python headers). Without a compiler, or with
 ``INFINIGEN_KERNELS=0``, `available()` is False and callers use their Python code (tensor
@@ -30,7 +31,7 @@ import torch
 
 from infinigen.paths import default_cache_dir
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c", "attend.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c", "attend.c", "quantize.c")]
 _HEADERS = [Path(__file__).with_name("numeric.h")]
 AGGREGATIONS = {"max": 0, "union": 1, "sum": 2, "mass": 3}
 UNIT_RULES = {"max": 0, "mass": 1, "top2": 2}  # speculate.UNIT_SCORES, as the kernel numbers them
@@ -105,6 +106,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ig_attend_scratch.argtypes = [i64]
     lib.ig_attend.restype = None
     lib.ig_attend.argtypes = [p, p, cint, i64, i64, i64, i64, i64, i64, i64, i64, p, p, p, p, p, i64, p, p, p]
+    lib.ig_quantize_keys.restype = i64
+    lib.ig_quantize_keys.argtypes = [p, p, p, i64, i64, i64, cint, p, p, i64, i64]
     lib.ig_widen.restype = None
     lib.ig_widen.argtypes = [p, cint, i64, p]
     u64 = ctypes.c_uint64
@@ -175,6 +178,45 @@ def widen(keys: torch.Tensor) -> torch.Tensor:
     out = torch.empty(keys.shape, dtype=torch.float32)
     lib.ig_widen(keys.data_ptr(), KEY_FORMATS[keys.dtype], keys.numel(), out.data_ptr())
     return out
+
+
+def quantize_keys(
+    keys: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, at: int
+) -> bool:
+    """Quantize keys [B, Hkv, n, c] (float32) about `mu`, `sigma` [B, Hkv, c] (float32) into the
+    columns [at, at + n) of `codes` [B, Hkv, c or ceil(c/2), capacity] (int8, or uint8 holding two
+    4-bit codes) and `scales` [B, Hkv, 1, capacity] (float16), bit for bit as
+    `infinigen.select.quantized.quantize`. False (nothing written) where the kernel cannot: no
+    compiled library, or tensors it does not read."""
+    lib = library()
+    b, hkv, n, c = keys.shape
+    ok = (
+        lib is not None
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (keys, mu, sigma, codes, scales))
+        and keys.dtype == mu.dtype == sigma.dtype == torch.float32
+        and codes.dtype in CODE_FORMATS
+        and scales.dtype == torch.float16
+        and 0 <= at
+        and at + n <= codes.shape[-1] == scales.shape[-1]
+    )
+    if not ok:
+        return False
+    return (
+        lib.ig_quantize_keys(
+            keys.data_ptr(),
+            mu.data_ptr(),
+            sigma.data_ptr(),
+            b * hkv,
+            n,
+            c,
+            CODE_FORMATS[codes.dtype],
+            codes.data_ptr(),
+            scales.data_ptr(),
+            codes.shape[-1],
+            at,
+        )  # fmt: skip
+        == 0
+    )
 
 
 def can_attend(rows: tuple[torch.Tensor, torch.Tensor]) -> bool:

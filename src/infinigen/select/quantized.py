@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import infinigen.kernels as kernels
 from infinigen.growing import GrowingTensor
 
 LEVELS = {"int8": 127, "int4": 7}
@@ -55,6 +56,8 @@ class QuantizedPartialKeys:
         """keys [B, Hkv, n, c] (projected partial keys, float32); valid [B, n] real tokens."""
         if self.mu is None:
             self.mu = channel_means(keys, valid)
+        if self.sigma is not None and self._quantize_in_place(keys):
+            return
         centered = keys.to(torch.float32) - self.mu[:, :, None, :]
         if self.sigma is None:
             self.sigma = channel_scales(centered, valid)
@@ -62,6 +65,17 @@ class QuantizedPartialKeys:
         self.codes.append(codes)
         self.scales.append(scales)
         assert self.codes.full.shape[-1] == self.scales.full.shape[-1]  # one capacity: the kernel's one stride
+
+    def _quantize_in_place(self, keys: torch.Tensor) -> bool:
+        """A decode step's keys quantized by the kernel straight into the buffers (the same codes
+        as `quantize`, in one call instead of a dozen tensor operations, each of which waits for
+        the interpreter lock the prefetch thread shares); False where it cannot."""
+        n, at = keys.shape[2], self.codes.length
+        codes, scales = self.codes.claim(n), self.scales.claim(n)
+        if kernels.quantize_keys(keys, self.mu, self.sigma, codes, scales, at):
+            return True
+        self.codes.length = self.scales.length = at  # nothing written: the tensor path appends
+        return False
 
     def keys(self, length: int) -> torch.Tensor:
         """The first `length` positions dequantized, [B, Hkv, length, c] float32 (the reference)."""
