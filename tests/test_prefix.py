@@ -10,6 +10,8 @@ from conftest import WINDOW, _byte_tokenizer, _variant_config
 from infinigen import InfiniGenConfig
 from infinigen.errors import InputError
 from infinigen.generation import run_generation
+from infinigen.measure.forced import prompt_column_sums
+from infinigen.models import get_adapter
 from infinigen.prefill import dense_prefix
 
 
@@ -34,8 +36,9 @@ PROMPT = "the quick brown fox jumps over the lazy dog; " * 3  # longer than the 
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("policy", ["dense", "full", "infinigen"])
+@pytest.mark.parametrize("policy", ["dense", "full", "infinigen", "h2o"])
 def test_a_replayed_prefix_generates_what_the_prefill_does(family, policy):
+    """H2O watches its prefill's attention: its prefix carries the prompt's column sums."""
     tok = _byte_tokenizer()
     model = _model(family, len(tok))
     config = InfiniGenConfig(policy=policy, budget=0.3, calibration_tokens=64)
@@ -44,6 +47,9 @@ def test_a_replayed_prefix_generates_what_the_prefill_does(family, policy):
     own = run_generation(model, tok, [PROMPT] * 2, config, max_new_tokens=6, progress=False)
     prefix = dense_prefix(model, ids)
     assert prefix.length == ids.shape[1]
+    if policy == "h2o":
+        prefix.column_sums = prompt_column_sums(model, ids)
+        assert set(prefix.column_sums) == set(get_adapter(model).global_layers)
     replayed = run_generation(model, tok, [PROMPT] * 2, config, max_new_tokens=6, progress=False, prefix=prefix)
     assert replayed.token_ids == own.token_ids
     assert replayed.token_ids[0] == replayed.token_ids[1]
@@ -77,7 +83,7 @@ def test_a_prefix_of_other_tokens_or_for_a_policy_that_watches_the_prefill_is_re
 
 
 def test_the_demo_decodes_a_batch_from_one_prefill_and_reports_on_one_scale(tiny_model_dir, capsys, monkeypatch):
-    """`infinigen demo` end to end on a tiny model: three policies over a batch from one prefill,
+    """`infinigen demo` end to end on a tiny model: four policies over a batch from one prefill,
     full fetch's rows the same tokens as dense, and what each keeps as a share of dense's 16-bit
     KV (dense's own fp32 KV is twice that)."""
     import re
@@ -91,12 +97,13 @@ def test_the_demo_decodes_a_batch_from_one_prefill_and_reports_on_one_scale(tiny
     argv = ["demo", "--model", str(tiny_model_dir), "--prompt-tokens", "300", "--max-new-tokens", "4"]
     assert main([*argv, "--batch", "2", "--quiet", "--calibration-tokens", "64"]) == 0
     out = capsys.readouterr().out
-    assert calls == [1]  # one prefill for the three policies
+    assert calls == [1]  # one prefill for every policy
     rows = {
         m.group(1): m
-        for m in re.finditer(r"^\s*(dense|full|infinigen) .*?([\d.]+) MiB = (\d+)%\s+first (\d) of 4", out, re.M)
+        for m in re.finditer(r"^\s*(dense|full|h2o|infinigen) .*?([\d.]+) MiB = (\d+)%\s+first (\d) of 4", out, re.M)
     }
-    assert set(rows) == {"dense", "full", "infinigen"}
+    assert set(rows) == {"dense", "full", "h2o", "infinigen"}
+    assert "H2O with the prompt's attention column sums" in out
     assert rows["dense"].group(4) == rows["full"].group(4) == "4"  # full fetch is exact
     assert 190 <= int(rows["dense"].group(3)) <= 210  # fp32 as computed against dense's fp16 KV
     # InfiniGen aims at 12.5 % of dense's KV by default; a tiny model's buffers outweigh its KV, so
@@ -125,3 +132,30 @@ def test_the_demo_runs_infinigen_again_with_the_aim_or_within_a_budget_given(tin
     row = re.search(r"^\s*infinigen +disk tier, [\d.]+% read .*?([\d.]+) MiB = (\d+)%\s+first (\d) of 4", out, re.M)
     assert row is not None and int(row.group(2)) <= 400, out
     assert "infinigen: within compute_memory 400% of dense's KV = " in out and not re.search(r"^\s*ig ", out, re.M)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_h2o_replayed_a_prefix_accumulates_the_prompts_attention_as_its_own_prefill_does(family):
+    """The column sums a prefix carries are what H2O's own prefill accumulates, layer by layer
+    (the greedy tokens above can agree by chance; the accumulated attention cannot)."""
+    from infinigen import attach
+    from infinigen.compat import cache_kwargs
+
+    tok = _byte_tokenizer()
+    model = _model(family, len(tok))
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    prefix = dense_prefix(model, ids)
+    prefix.column_sums = prompt_column_sums(model, ids)
+    with attach(model, InfiniGenConfig(policy="h2o", budget=0.3), progress=False) as session:
+        with session.new_cache() as own, session.new_cache() as replayed:
+            model(input_ids=ids, **cache_kwargs(model, own), use_cache=True)
+            prefix.replay(replayed, 1)
+            accumulated = [
+                (a.selecting.state.acc, b.selecting.state.acc)
+                for a, b in zip(own.layers, replayed.layers)
+                if getattr(a, "selecting", None) is not None
+            ]
+    assert accumulated  # the layers that select (the first keep their KV with the compute)
+    for mine, theirs in accumulated:
+        assert mine.abs().sum() > 0
+        torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)

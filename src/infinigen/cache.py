@@ -161,6 +161,16 @@ class InfiniGenCache(SessionCache):
                 self.counters.decode_steps += 1
         return layer.update(key_states, value_states)
 
+    def prefill_attention(self, layer_idx: int, weights) -> None:
+        """Hand layer `layer_idx`'s selector the attention of a prefill this cache did not run
+        (a replayed prefix, `infinigen.prefill.Prefix`), as its own prefill would have: after
+        the layer's `update` with the prompt's KV, before any decode step. A layer that does
+        not select ignores it."""
+        self.check_open()
+        selecting = getattr(self.layers[layer_idx], "selecting", None)
+        if selecting is not None:
+            selecting.prefill(weights)
+
     def _check_update(self, keys, values, layer_idx) -> None:
         """Refuse, in one sentence, KV that would fail deep inside a layer or be stored wrongly:
         the model's layer count, KV heads and head size, one batch, one dtype and device per layer."""

@@ -41,7 +41,7 @@ exit status: 0 done, 2 bad input (flags, settings, files, prompts, models), 1 re
 DEMO_PROMPT = "areopagitica_opening.txt"
 DEMO_PROMPT_TOKENS = 8000  # near SmolLM2's 8192 positions: the long context the method is for
 DEMO_BATCH = 8  # rows: where reading the KV, not the weights, weighs most in a step (docs/results.md)
-DEMO_NEW_TOKENS = 32  # with a batch of 8, a few minutes for the three policies on two cores
+DEMO_NEW_TOKENS = 32  # with a batch of 8, a few minutes for the policies on two cores
 # Settings `infinigen eval` sets itself for every run; `--set` may override any other.
 EVAL_FIXED = ("policy", "alpha", "budget")
 SUITES = ("ppl", "passkey", "needle", "sensitivity", "variants", "ruler")
@@ -139,7 +139,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_ROWS = (("dense", "with the compute, as computed"), ("full", "every row from the slow tier"), ("infinigen", ""))
+DEMO_ROWS = (
+    ("dense", "with the compute, as computed"), ("full", "every row from the slow tier"), ("h2o", ""), ("infinigen", ""),
+)  # fmt: skip
 # The demo's last row: InfiniGen again with the other `compute_memory`, so that the row above shows
 # what the default aim costs (or, when a run sets no budget, what the aim would).
 DEMO_VARIANTS = {AUTO: ("ig no budget", None), None: ("ig auto", AUTO)}
@@ -159,14 +161,19 @@ def _skew_command_for(args: argparse.Namespace, config):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Dense attention with the KV in RAM, full-fetch offloading and InfiniGen from the slow
+    """Dense attention with the KV in RAM, full-fetch offloading, H2O and InfiniGen from the slow
     tier (disk by default), on the same prompt repeated over a batch, greedy: speed, bytes read,
     what each keeps with the compute, and the text. The prompt is prefilled once by the plain
-    model and replayed into each policy's cache: all three prefill with dense attention. A last
+    model and replayed into each policy's cache: all prefill with dense attention, and H2O is
+    handed the prompt's attention column sums (one more pass over the prompt) as its own prefill
+    would accumulate them. A last
     row runs InfiniGen again without a budget when it ran with the default aim (`compute_memory`
     auto), with the aim when it ran without one (`DEMO_VARIANTS`); with a budget of its own, not."""
+    import time
+
     from infinigen.generation import check_context, run_generation
     from infinigen.loading import load_model
+    from infinigen.measure.forced import prompt_column_sums
     from infinigen.prefill import dense_prefix
 
     config = from_arguments(args, DISK_DEFAULTS, policy="infinigen")
@@ -180,6 +187,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise InputError("the prompt is empty: the tokenizer made no tokens of it")
     check_context(model, int(ids.shape[1]), args.max_new_tokens)
     prefix = dense_prefix(model, ids, progress=not args.quiet)
+    start = time.perf_counter()
+    prefix.column_sums = prompt_column_sums(model, ids, progress=not args.quiet)  # what H2O's prefill accumulates
+    sums_seconds = time.perf_counter() - start
     runs = {}
     for policy, _ in DEMO_ROWS:
         if policy == "dense":
@@ -200,7 +210,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(
         f"\nprompt: {dense.prompt_tokens} tokens of {source}, {args.batch} rows (the prompt repeated: each row's KV "
         f"is stored, read and attended on its own); prefilled once by the plain model in {prefix.seconds:.1f} s and "
-        f"replayed into each policy's cache; {dense.new_tokens} new tokens, greedy\n"
+        f"replayed into each policy's cache (H2O with the prompt's attention column sums, {sums_seconds:.1f} s more); "
+        f"{dense.new_tokens} new tokens, greedy\n"
     )
     print(f"infinigen's continuation:\n{ig.text[0]}\n")
     head = (
@@ -234,7 +245,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"its first {every} layers read every row from the tier" if every else "every layer is speculated"
     )  # fmt: skip
     print(
-        f"\nInfiniGen speculates each layer's attention one layer ahead and reads only the selected rows "
+        "\nH2O (Zhang et al., NeurIPS 2023) attends the positions with the most attention so far and the most "
+        "recent ones, and never again those it drops. "
+        f"InfiniGen speculates each layer's attention one layer ahead and reads only the selected rows "
         f"({100 * (ig.summary['fetched_fraction'] or 0):.1f}% of the KV per speculated layer; {dense_layers}; "
         f"{format_bytes(ig.summary['bytes_cached'] / max(ig.summary['decode_steps'] * args.batch, 1))}/token came "
         "from RAM in front "
@@ -535,8 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo",
-        help="dense (RAM), full fetch and InfiniGen (disk; by default within 12.5%% of dense's KV, and again without "
-        "that aim) side by side on a long prompt",
+        help="dense (RAM), full fetch, H2O and InfiniGen (disk; by default within 12.5%% of dense's KV, and again "
+        "without that aim) side by side on a long prompt",
     )
     _add_model_args(d)
     _add_prompt_args(d, "--prompt-tokens tokens of Milton's Areopagitica", DEMO_NEW_TOKENS)

@@ -92,9 +92,10 @@ def _check_prefix(prefix: Prefix, enc, cache) -> None:
             f"the prefix was computed from other tokens than these prompts: it replays the {prefix.length} tokens "
             "it was computed from, as every row's prompt"
         )
-    if cache.selector is not None and cache.selector.watches_prefill:
+    if cache.selector is not None and cache.selector.watches_prefill and prefix.column_sums is None:
         raise InputError(
-            f"policy {cache.selector.name} reads the prefill's attention: it must run its own prefill, not a replay"
+            f"policy {cache.selector.name} reads the prefill's attention: it must run its own prefill, or be replayed a "
+            "prefix that carries the prompt's attention column sums (`measure.forced.prompt_column_sums`)"
         )
 
 
@@ -124,7 +125,8 @@ def run_generation(
     prefix: the prompt's KV and its greedy next token, computed once (`prefill.dense_prefix`) for
     prompts that are all that one prompt; replayed into the cache instead of a prefill (whose
     dense attention would compute the same), and the next token is the first new one
-    (`prefill_seconds` is then the replay's). Only for a policy whose prefill attends densely."""
+    (`prefill_seconds` is then the replay's). Only for a policy whose prefill attends densely, or
+    one that watches it (H2O) when the prefix carries the prompt's attention column sums."""
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     prompt_tokens = int(enc.input_ids.shape[1])

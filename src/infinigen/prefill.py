@@ -45,17 +45,22 @@ class Prefix:
     one prefill can stand in for each of theirs: a side-by-side run of several policies, or a batch
     of one prompt repeated, pays for it once. layers: per layer (keys, values) [1, Hkv, n, d] as
     computed (a sliding-window layer's: its window); next_token: the greedy token after it; ids:
-    the tokens [1, n] it was computed from (None when they were not kept); seconds: its prefill."""
+    the tokens [1, n] it was computed from (None when they were not kept); seconds: its prefill;
+    column_sums: per global layer, the prompt's attention column sums [1, Hkv, n]
+    (`infinigen.measure.forced.prompt_column_sums`), which a policy that watches the prefill
+    (H2O) is handed at the replay in place of its own prefill's; None when not computed."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     length: int
     next_token: torch.Tensor
     seconds: float
     ids: torch.Tensor | None = None
+    column_sums: dict[int, torch.Tensor] | None = None
 
     def replay(self, cache, batch: int = 1) -> None:
         """Store the prefix into `cache` (empty) for `batch` identical rows, layer by layer, as a
-        prefill would store it."""
+        prefill would store it; with `column_sums`, hand each layer's to the cache
+        (`InfiniGenCache.prefill_attention`) as its prefill's attention would be."""
         if cache.get_seq_length() != 0:
             raise ValueError("a prefix is replayed into an empty cache only")
         for i, (k, v) in enumerate(self.layers):
@@ -63,6 +68,19 @@ class Prefix:
             v = whole_context(v, self.length).expand(batch, -1, -1, -1).contiguous()
             cache.update(k, v, i)
             del k, v
+            if self.column_sums is not None and i in self.column_sums:
+                cache.prefill_attention(i, ColumnSums(self.column_sums[i], batch))
+
+
+class ColumnSums:
+    """A prefill's attention as a selector asks for it (`select.base.PrefillWeights`), from
+    column sums computed once for one row and shared by `batch` identical rows."""
+
+    def __init__(self, sums: torch.Tensor, batch: int) -> None:
+        self._sums, self._batch = sums, batch
+
+    def column_sums(self) -> torch.Tensor:
+        return self._sums.expand(self._batch, -1, -1)
 
 
 @torch.no_grad()

@@ -20,11 +20,13 @@ every policy; a policy never changes it.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
@@ -111,11 +113,12 @@ class _StoredWeights:
 
 
 class _PrefillLayer(SessionLayer):
-    """A dense prefill layer that can also record its attention's column sums."""
+    """A dense prefill layer that can also record its attention's column sums (`bar`: a
+    progress bar it advances when it has)."""
 
-    def __init__(self, record: dict[int, torch.Tensor] | None, index: int) -> None:
+    def __init__(self, record: dict[int, torch.Tensor] | None, index: int, bar=None) -> None:
         super().__init__()
-        self.record, self.index, self.length = record, index, 0
+        self.record, self.index, self.length, self.bar = record, index, 0, bar
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.length += key_states.shape[2]
@@ -125,7 +128,37 @@ class _PrefillLayer(SessionLayer):
         if self.record is not None:
             valid = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
             self.record[self.index] = attention_column_sums(query, key, valid, attention_scaling(query, scaling))
+            if self.bar is not None:
+                self.bar.update(1)
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+@torch.no_grad()
+def column_sums_through(session, ids: torch.Tensor, progress: bool = False) -> dict[int, torch.Tensor]:
+    """Per global layer, the column sums [B, Hkv, T] of a dense prefill's attention over `ids`
+    [B, T] (what H2O accumulates from a prefill), by one forward of the model through the
+    attached `session`. Sliding-window layers never select, so they record nothing."""
+    adapter = session.adapter
+    record: dict[int, torch.Tensor] = {}
+    wanted = set(adapter.global_layers)
+    with tqdm(
+        total=len(wanted), desc="prompt attention (h2o)", unit="layer", file=sys.stderr, leave=False,
+        disable=not progress,
+    ) as bar:  # fmt: skip
+        layers = [_PrefillLayer(record if i in wanted else None, i, bar) for i in range(adapter.num_layers)]
+        cache = ForcedCache(layers)
+        session.model(input_ids=ids, **cache_kwargs(session.model, cache), use_cache=True, logits_to_keep=1)
+    return record
+
+
+def prompt_column_sums(model: nn.Module, ids: torch.Tensor, progress: bool = False) -> dict[int, torch.Tensor]:
+    """`column_sums_through` a dense session of its own: what a prefix replayed into H2O's
+    cache carries (`infinigen.prefill.Prefix.column_sums`) so that it sees the prompt's
+    attention as its own prefill would."""
+    from infinigen.api import attach
+
+    with attach(model, InfiniGenConfig(policy="dense"), progress=False) as session:
+        return column_sums_through(session, ids, progress)
 
 
 class ForcedLayer(SessionLayer):
@@ -339,11 +372,7 @@ class ForcedRunner:
         """Per layer, the prefill's attention column sums (what H2O accumulates), computed once
         per prefix by a second prefill pass the first time a selector asks."""
         if prefix._column_sums is None:
-            record: dict[int, torch.Tensor] = {}
-            layers = [_PrefillLayer(record, i) for i in range(self.adapter.num_layers)]
-            cache = ForcedCache(layers)
-            self.model(input_ids=prefix.ids, **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
-            prefix._column_sums = record
+            prefix._column_sums = column_sums_through(self.session, prefix.ids)
         return prefix._column_sums
 
     @torch.no_grad()
