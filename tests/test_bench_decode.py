@@ -43,6 +43,14 @@ def test_rows_report_the_local_windows_as_each_cache_keeps_them(tmp_path, capsys
     for r in rows.values():  # every row knows its bound
         assert 0 <= r["compute_floor_ms"] <= r["step_ms_mean"] and 0 < r["efficiency"] <= 1
     assert rows["dense"]["read_floor_ms"] == 0.0 and rows["full"]["read_floor_ms"] > 0
+    # H2O watches its prefill: the saved prefill carries the prompt's attention column sums for it
+    rc, said, err = run_cli(
+        capsys, "bench", "decode", "--model", str(folder), "--contexts", "64", "--batches", "2", "--steps", "2",
+        "--policies", "h2o", "--out", str(out),
+    )  # fmt: skip
+    assert rc == 0, err
+    (row,) = json.loads((out / "bench_decode.json").read_text())["rows"]
+    assert row["policy"] == "h2o" and row["bytes_read_per_token"] > 0
     rc, said, err = run_cli(
         capsys, "bench", "decode", "--model", str(folder), "--contexts", "64", "--batches", "2", "--steps", "2",
         "--policies", "full", "--compute-memory", "1000%", "--out", str(out),
@@ -75,3 +83,27 @@ def test_floors_are_the_step_less_its_waits_and_its_bytes_at_full_fetchs_rate():
     alone = dict(row)
     add_floors(alone, None)  # no full fetch in the run: no read floor
     assert alone["read_floor_ms"] is None and alone["efficiency"] == pytest.approx(5.0 / 8.0)
+
+
+def test_a_saved_prefill_carries_the_column_sums_only_when_asked(tmp_path):
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infinigen.bench.decode import save_prefill
+    from infinigen.measure.forced import prompt_column_sums
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )).eval()  # fmt: skip
+    ids = torch.randint(0, 64, (1, 40))
+    save_prefill(model, ids, tmp_path / "plain.safetensors", torch.float16)
+    save_prefill(model, ids, tmp_path / "watched.safetensors", torch.float16, column_sums=True)
+    with safe_open(tmp_path / "plain.safetensors", framework="pt") as f:
+        assert not [k for k in f.keys() if k.endswith(".sums")]
+    expected = prompt_column_sums(model, ids)
+    with safe_open(tmp_path / "watched.safetensors", framework="pt") as f:
+        for i in range(2):
+            torch.testing.assert_close(f.get_tensor(f"layer.{i}.sums"), expected[i])
+            assert float(f.get_tensor(f"layer.{i}.sums").sum()) == pytest.approx(40 * 4, rel=1e-4)  # rows sum to 1

@@ -215,6 +215,15 @@ class InfiniGenConfig(*SELECTOR_KNOBS):
         return POLICIES[self.policy]
 
     @property
+    def watches_prefill(self) -> bool:
+        """Whether the policy's selector reads the prefill's attention (H2O): a replayed prefix
+        must then carry the prompt's attention column sums."""
+        from infinigen.select.base import watches_prefill
+
+        name = self.spec.selector
+        return name is not None and watches_prefill(SELECTORS[name])
+
+    @property
     def aims(self) -> bool:
         """Whether `compute_memory` is the default aim (`AUTO`) rather than a limit."""
         return self.compute_memory == AUTO

@@ -149,7 +149,8 @@ def _measure(args, model, tok, rows: list[dict]) -> None:
     base = run_settings(args)  # every row stores its KV in the run's dtype
     with tempfile.TemporaryDirectory(prefix="infinigen-capacity-") as tmp:
         kv_file = Path(tmp) / "prefill.safetensors"
-        save_prefill(model, _prompt_ids(tok, args.context), kv_file, base.storage_dtype() or torch.float32)
+        watched = any(InfiniGenConfig.from_dict(r["config"]).watches_prefill for r in runnable)
+        save_prefill(model, _prompt_ids(tok, args.context), kv_file, base.storage_dtype() or torch.float32, watched)
         for r in runnable:
             cfg = InfiniGenConfig.from_dict(r["config"])
             bar.set_postfix_str(f"{r['policy']} B={r['batch']}")

@@ -3,7 +3,8 @@
 For each context length the prompt (real prose) is prefilled once with the unmodified model and
 its KV saved; each (policy, batch) then runs in its own process — so that its peak RSS is its
 own — which streams that KV into the policy's tier exactly as a prefill would, and times
-`steps` greedy decode steps. Ratios are taken between rows of the same run.
+`steps` greedy decode steps. A policy that watches its prefill (H2O) is also handed the prompt's
+attention column sums, computed once beside the KV. Ratios are taken between rows of the same run.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ DEFAULT_POLICIES = ("dense", "dense-hf", "full", "infinigen")
 
 # ---------------------------------------------------------------------- prefill (parent)
 @torch.no_grad()
-def save_prefill(model, ids: torch.Tensor, path: Path, kv_dtype: torch.dtype) -> None:
+def save_prefill(model, ids: torch.Tensor, path: Path, kv_dtype: torch.dtype, column_sums: bool = False) -> None:
     """Prefill `ids` [1, T] with the plain model (in chunks); save every layer's KV (a
-    sliding-window layer's: its window), the context and the next token."""
+    sliding-window layer's: its window), the context and the next token; with `column_sums`,
+    also the prompt's attention column sums per global layer, which a policy that watches its
+    prefill (H2O) is handed at the replay as its own prefill would accumulate them."""
     from safetensors.torch import save_file
 
+    from infinigen.measure.forced import prompt_column_sums
     from infinigen.prefill import dense_prefix
 
     prefix = dense_prefix(model, ids)
@@ -48,6 +52,9 @@ def save_prefill(model, ids: torch.Tensor, path: Path, kv_dtype: torch.dtype) ->
     for i, (k, v) in enumerate(prefix.layers):
         tensors[f"layer.{i}.k"] = k.to(kv_dtype).contiguous()
         tensors[f"layer.{i}.v"] = v.to(kv_dtype).contiguous()
+    if column_sums:
+        for i, sums in prompt_column_sums(model, ids).items():
+            tensors[f"layer.{i}.sums"] = sums.contiguous()
     save_file(tensors, str(path))
 
 
@@ -155,8 +162,16 @@ def run_child(args: argparse.Namespace) -> dict:
             nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous().to(device)
             # Stream the saved prefill into the cache layer by layer, as a prefill would.
             layers = [(f.get_tensor(f"layer.{i}.k"), f.get_tensor(f"layer.{i}.v")) for i in range(adapter.num_layers)]
-            Prefix([(k.to(device), v.to(device)) for k, v in layers], context, nxt, 0.0).replay(cache, b)
-            del layers
+            saved = set(f.keys())
+            sums = {i: f.get_tensor(f"layer.{i}.sums").to(device) for i in range(adapter.num_layers)
+                    if f"layer.{i}.sums" in saved}  # fmt: skip
+            if cfg.watches_prefill and not sums:
+                raise SystemExit(f"policy {cfg.policy} watches the prefill: the saved prefill has no column sums")
+            prefix = Prefix([(k.to(device), v.to(device)) for k, v in layers], context, nxt, 0.0)
+            if cfg.watches_prefill:
+                prefix.column_sums = sums
+            prefix.replay(cache, b)
+            del layers, prefix
         past = cache.cache if hf_dense else cache
         # Peak RSS of the decode phase itself: reset the high-water mark after the replay (which
         # maps the saved prefill file) so that only what the policy keeps while decoding counts.
@@ -468,7 +483,7 @@ def run_parent(args: argparse.Namespace) -> int:
         for c in contexts:
             kv_file = Path(tmp) / f"prefill-{c}.safetensors"
             bar.set_postfix_str(f"prefill {c}")
-            save_prefill(model, _prompt_ids(tok, c), kv_file, kv_dtype)
+            save_prefill(model, _prompt_ids(tok, c), kv_file, kv_dtype, any(cfg.watches_prefill for _, cfg in configs))
             for b in batches:
                 runs: dict[str, list[dict]] = {p: [] for p, _ in configs}
                 for _ in range(args.repeats):  # rounds interleave the rows: drift hits every row alike

@@ -181,9 +181,9 @@ class Selector:
     @property
     def watches_prefill(self) -> bool:
         """Whether this selector reads the prefill's attention (overrides `on_prefill`): a prefix
-        computed elsewhere and replayed into its cache (`prefill.Prefix`) cannot stand in for
-        its prefill."""
-        return type(self).on_prefill is not Selector.on_prefill
+        computed elsewhere and replayed into its cache (`prefill.Prefix`) stands in for its
+        prefill only with the prompt's attention column sums."""
+        return watches_prefill(type(self))
 
     @property
     def observes(self) -> bool:
@@ -232,3 +232,8 @@ def held_bytes(state: Any) -> int:
         elif hasattr(v, "__dict__") and not callable(v):
             total += held_bytes(v)
     return total
+
+
+def watches_prefill(cls: type[Selector]) -> bool:
+    """Whether selectors of class `cls` read the prefill's attention (override `on_prefill`)."""
+    return cls.on_prefill is not Selector.on_prefill
