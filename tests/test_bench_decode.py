@@ -90,7 +90,7 @@ def test_a_saved_prefill_carries_the_column_sums_only_when_asked(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from infinigen.bench.decode import save_prefill
-    from infinigen.measure.forced import prompt_column_sums
+    from infinigen.generation import prompt_column_sums
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(

@@ -9,8 +9,7 @@ import torch
 from conftest import WINDOW, _byte_tokenizer, _variant_config
 from infinigen import InfiniGenConfig
 from infinigen.errors import InputError
-from infinigen.generation import run_generation
-from infinigen.measure.forced import prompt_column_sums
+from infinigen.generation import prompt_column_sums, run_generation
 from infinigen.models import get_adapter
 from infinigen.prefill import dense_prefix
 

@@ -171,9 +171,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     auto), with the aim when it ran without one (`DEMO_VARIANTS`); with a budget of its own, not."""
     import time
 
-    from infinigen.generation import check_context, run_generation
+    from infinigen.generation import check_context, prompt_column_sums, run_generation
     from infinigen.loading import load_model
-    from infinigen.measure.forced import prompt_column_sums
     from infinigen.prefill import dense_prefix
 
     config = from_arguments(args, DISK_DEFAULTS, policy="infinigen")

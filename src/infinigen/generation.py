@@ -95,8 +95,18 @@ def _check_prefix(prefix: Prefix, enc, cache) -> None:
     if cache.selector is not None and cache.selector.watches_prefill and prefix.column_sums is None:
         raise InputError(
             f"policy {cache.selector.name} reads the prefill's attention: it must run its own prefill, or be replayed a "
-            "prefix that carries the prompt's attention column sums (`measure.forced.prompt_column_sums`)"
+            "prefix that carries the prompt's attention column sums (`prompt_column_sums`)"
         )
+
+
+def prompt_column_sums(model, ids: torch.Tensor, progress: bool = False) -> dict[int, torch.Tensor]:
+    """Per global layer, the column sums [1, Hkv, T] of a dense prefill's attention over `ids`
+    [1, T], through a dense session of its own: what a prefix replayed into H2O's cache carries
+    (`Prefix.column_sums`) so that it sees the prompt's attention as its own prefill would."""
+    from infinigen.measure.forced import column_sums_through
+
+    with attach(model, InfiniGenConfig(policy="dense"), progress=False) as session:
+        return column_sums_through(session, ids, progress)
 
 
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:

@@ -47,7 +47,7 @@ class Prefix:
     computed (a sliding-window layer's: its window); next_token: the greedy token after it; ids:
     the tokens [1, n] it was computed from (None when they were not kept); seconds: its prefill;
     column_sums: per global layer, the prompt's attention column sums [1, Hkv, n]
-    (`infinigen.measure.forced.prompt_column_sums`), which a policy that watches the prefill
+    (`infinigen.generation.prompt_column_sums`), which a policy that watches the prefill
     (H2O) is handed at the replay in place of its own prefill's; None when not computed."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]

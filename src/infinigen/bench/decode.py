@@ -44,7 +44,7 @@ def save_prefill(model, ids: torch.Tensor, path: Path, kv_dtype: torch.dtype, co
     prefill (H2O) is handed at the replay as its own prefill would accumulate them."""
     from safetensors.torch import save_file
 
-    from infinigen.measure.forced import prompt_column_sums
+    from infinigen.generation import prompt_column_sums
     from infinigen.prefill import dense_prefix
 
     prefix = dense_prefix(model, ids)

@@ -151,16 +151,6 @@ def column_sums_through(session, ids: torch.Tensor, progress: bool = False) -> d
     return record
 
 
-def prompt_column_sums(model: nn.Module, ids: torch.Tensor, progress: bool = False) -> dict[int, torch.Tensor]:
-    """`column_sums_through` a dense session of its own: what a prefix replayed into H2O's
-    cache carries (`infinigen.prefill.Prefix.column_sums`) so that it sees the prompt's
-    attention as its own prefill would."""
-    from infinigen.api import attach
-
-    with attach(model, InfiniGenConfig(policy="dense"), progress=False) as session:
-        return column_sums_through(session, ids, progress)
-
-
 class ForcedLayer(SessionLayer):
     """One layer of a forced run: the prefix's KV, then the S forced positions, attended as the
     step-by-step decode would (see the module docstring). A selecting layer replays its selector
