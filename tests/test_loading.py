@@ -219,3 +219,23 @@ def test_python_dash_m_infinigen_is_the_command():
 
     done = subprocess.run([sys.executable, "-m", "infinigen", "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == f"infinigen {version()}"
+
+
+def test_a_gguf_conversion_is_keyed_by_content_not_by_where_the_file_lies(tmp_path):
+    """A new environment (another venv, a fresh clone) holding the same model reuses its
+    conversion instead of writing another copy of the weights; changed bytes do not."""
+    from infinigen.loading import _gguf_cache_folder
+
+    first, second, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in (
+        (first, b"GGUF" + bytes(5000)),
+        (second, b"GGUF" + bytes(5000)),
+        (other, b"GGUF" + bytes(4999) + b"x"),
+    ):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(second, ns=(1, 1))  # another install: another path and time
+    cache = tmp_path / "cache"
+    assert _gguf_cache_folder(first, cache) == _gguf_cache_folder(second, cache)
+    assert _gguf_cache_folder(other, cache) != _gguf_cache_folder(first, cache)
+    assert _gguf_cache_folder(first, cache).parent == cache / "models"

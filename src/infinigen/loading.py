@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import importlib.util
 import json
@@ -127,9 +128,21 @@ def gemma3_gguf(cache_dir: Path | None = None, progress: bool = True) -> Path:
 
 
 def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
+    """Where `gguf`'s conversion lives: keyed by the file's content, so that every environment
+    holding the same model (a new venv, a fresh clone, a reinstall) shares one conversion instead
+    of writing its own copy of the weights."""
     st = gguf.stat()
-    key = hashlib.blake2b(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode(), digest_size=8).hexdigest()
-    return cache_dir / "models" / f"{gguf.stem}-{key}"
+    return cache_dir / "models" / f"{gguf.stem}-{_content_key(str(gguf.resolve()), st.st_size, st.st_mtime_ns)}"
+
+
+@functools.lru_cache(maxsize=8)
+def _content_key(path: str, size: int, mtime_ns: int) -> str:
+    """A digest of the file's bytes (about 0.1 s per 100 MB, once per process and file version)."""
+    digest = hashlib.blake2b(f"{size}|".encode(), digest_size=8)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def convert_gguf(gguf: Path, cache_dir: Path | None = None, progress: bool = True) -> Path:
