@@ -162,14 +162,17 @@ def run_child(args: argparse.Namespace) -> dict:
             nxt = f.get_tensor("next_token").expand(b)[:, None].contiguous().to(device)
             # Stream the saved prefill into the cache layer by layer, as a prefill would.
             layers = [(f.get_tensor(f"layer.{i}.k"), f.get_tensor(f"layer.{i}.v")) for i in range(adapter.num_layers)]
-            saved = set(f.keys())
-            sums = {i: f.get_tensor(f"layer.{i}.sums").to(device) for i in range(adapter.num_layers)
-                    if f"layer.{i}.sums" in saved}  # fmt: skip
-            if cfg.watches_prefill and not sums:
-                raise SystemExit(f"policy {cfg.policy} watches the prefill: the saved prefill has no column sums")
             prefix = Prefix([(k.to(device), v.to(device)) for k, v in layers], context, nxt, 0.0)
             if cfg.watches_prefill:
-                prefix.column_sums = sums
+                # copies: a tensor read from the file maps all of it, which would stay resident with it
+                saved = set(f.keys())
+                prefix.column_sums = {
+                    i: f.get_tensor(f"layer.{i}.sums").to(device, copy=True)
+                    for i in range(adapter.num_layers)
+                    if f"layer.{i}.sums" in saved
+                }
+                if not prefix.column_sums:
+                    raise SystemExit(f"policy {cfg.policy} watches the prefill: the saved prefill has no column sums")
             prefix.replay(cache, b)
             del layers, prefix
         past = cache.cache if hf_dense else cache
