@@ -256,6 +256,27 @@ class Session:
         return self._source(self, config)
 
 
+def watch_inputs(modules: list[nn.Module], watcher: Callable[[int, tuple, dict], None]) -> Callable[[], None]:
+    """Call `watcher(i, args, kwargs)` with module i's arguments before each of its forwards:
+    how a serving engine's model, which this package does not run itself, hands a layer's input to
+    InfiniGen (the speculation of layer i+1 reads layer i's). Returns the undo, which removes the
+    hooks; the engine owns the model for its whole life, so the integration keeps them."""
+    handles = [
+        m.register_forward_pre_hook(functools.partial(_forward_args, watcher=watcher, layer=i), with_kwargs=True)
+        for i, m in enumerate(modules)
+    ]
+
+    def undo() -> None:
+        for h in handles:
+            h.remove()
+
+    return undo
+
+
+def _forward_args(module: nn.Module, args: tuple, kwargs: dict, watcher, layer: int) -> None:
+    watcher(layer, args, kwargs)
+
+
 def _nothing() -> None:
     return None
 
