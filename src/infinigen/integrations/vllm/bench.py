@@ -148,9 +148,12 @@ def _page(row: str, d: int, dtype: str) -> int:
     from infinigen.speculate import channel_count
 
     s = from_env()
+    itemsize = 4 if dtype == "float32" else 2
     if s is None:
-        return 2 * d * (4 if dtype == "float32" else 2)
-    return page_bytes(channel_count(s.config.partial_ratio, d)) if s.keeps_partial_keys else placeholder_bytes()
+        return 2 * d * itemsize
+    if s.keeps_partial_keys:
+        return page_bytes(channel_count(s.config.partial_ratio, d), itemsize)
+    return placeholder_bytes(itemsize)
 
 
 def _kl(p, q) -> float:

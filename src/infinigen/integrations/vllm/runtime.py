@@ -36,16 +36,17 @@ from infinigen.speculate import all_valid, channel_count, is_all_valid
 SCALE_BYTES = 2  # the float16 scale of one position's codes
 
 
-def page_bytes(channels: int) -> int:
+def page_bytes(channels: int, itemsize: int = 2) -> int:
     """Bytes of vLLM's page per (KV head, token): the int4 codes of `channels` partial channels and
-    their float16 scale, rounded up to an even count (the page is viewed in 16-bit)."""
+    their float16 scale, rounded up to whole elements of the page's dtype (`itemsize` bytes: vLLM
+    views the page in the model's dtype)."""
     n = (channels + 1) // 2 + SCALE_BYTES
-    return n + (n % 2)
+    return -(-n // itemsize) * itemsize
 
 
-def placeholder_bytes() -> int:
-    """The page of a policy that keeps nothing with the compute (full fetch): vLLM needs one."""
-    return 2
+def placeholder_bytes(itemsize: int = 2) -> int:
+    """The page of a policy that keeps nothing with the compute (full fetch): vLLM needs one element."""
+    return itemsize
 
 
 @dataclass
