@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (
@@ -144,6 +146,11 @@ def tiny_variant(name: str, seed: int = 0):
             if pname.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(6.0)
     return model
+
+
+# The user's cache folder setting before the tests isolate theirs (a test that runs the package in
+# another process, as a user would, may hand it back).
+USER_CACHE_DIR = os.environ.get("INFINIGEN_CACHE_DIR")
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from conftest import USER_CACHE_DIR
+
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.real]
 
@@ -40,7 +42,11 @@ def _run(tmp_path, plugin: str | None, **llm_args) -> tuple[int, dict | None, st
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     text = os.path.join(os.path.dirname(infinigen.data.__file__), "areopagitica.txt")
-    env = {k: v for k, v in os.environ.items() if k != "INFINIGEN_VLLM"}
+    # The user's cache, not the test's empty one: the plugin finds the model's conversion and its
+    # calibration where a run of `make test-vllm` or `infinigen skew` made them (minutes, once).
+    env = {k: v for k, v in os.environ.items() if k not in ("INFINIGEN_VLLM", "INFINIGEN_CACHE_DIR")}
+    if USER_CACHE_DIR is not None:
+        env["INFINIGEN_CACHE_DIR"] = USER_CACHE_DIR
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     if plugin is not None:
         env["INFINIGEN_VLLM"] = plugin
