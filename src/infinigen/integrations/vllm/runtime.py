@@ -85,7 +85,7 @@ class SlotStore:
                 held = (torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
             except RuntimeError as exc:
                 raise MemoryError(
-                    f"the slow tier cannot reserve {2 * math.prod(shape) * held_size(self.dtype) / 2**30:.1f} GiB of "
+                    f"the slow tier cannot reserve {2 * math.prod(shape) * self.dtype.itemsize / 2**30:.1f} GiB of "
                     f"address space for layer {layer}'s K/V over vLLM's {self.slots} slots ({exc}); give vLLM fewer "
                     "blocks (--num-gpu-blocks-override, or less KV memory)"
                 ) from None
@@ -114,16 +114,12 @@ class SlotStore:
 
     def written_bytes(self) -> int:
         """The K/V of every slot written so far, in every layer held: what the tier holds."""
-        per_slot = 2 * self.kv_heads * self.head_dim * held_size(self.dtype)
+        per_slot = 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
         return int(self.written.sum()) * per_slot * len(self._kv)
 
     def reserved_bytes(self) -> int:
         """The address space reserved (what is resident is the written slots' pages)."""
         return sum(t.nbytes for kv in self._kv.values() for t in kv)
-
-
-def held_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class PageCodes:
