@@ -251,7 +251,7 @@ class Runtime:
             else:  # a prompt's later chunk (chunked prefill): dense over what is stored and itself
                 read = self.store.bytes_read  # a prefill's reads are not a decode step's
                 blocks = step.block_table[r : r + 1, : -(-context // self.block_size)].to(torch.long)
-                k, v = self._stored(layer, blocks, [context], context)
+                k, v = self._stored(layer, blocks, context)
                 self.store.bytes_read = read
                 output[start:stop] = self._prefill(layer, query[start:stop], key[start:stop], value[start:stop], (k, v))
         if decoding:
@@ -282,10 +282,10 @@ class Runtime:
         blocks = tables.gather(1, (positions // self.block_size).reshape(r, -1)).view_as(positions)
         return blocks * self.block_size + positions % self.block_size
 
-    def _stored(self, layer: int, tables: torch.Tensor, lengths: list[int], longest: int):
-        """Every stored row of positions [0, longest) of requests (`tables` [R, blocks]), (k, v)
-        [R, Hkv, longest, d] (rows past a request's `lengths` are whatever the slots hold)."""
-        positions = torch.arange(longest).expand(len(lengths), self.adapter.num_kv_heads, longest)
+    def _stored(self, layer: int, tables: torch.Tensor, length: int):
+        """Every stored row of positions [0, length) of requests (`tables` [R, blocks]), (k, v)
+        [R, Hkv, length, d] (rows past a shorter request's context are whatever the slots hold)."""
+        positions = torch.arange(length).expand(tables.shape[0], self.adapter.num_kv_heads, length)
         return self.store.rows(layer, self._slots(tables, positions))
 
     def _write_prompt_codes(self, layer, page, first, slots, keys, prefill: bool) -> None:
@@ -348,7 +348,7 @@ class Runtime:
         if isinstance(sel, OracleSelector):  # the bound: every key read to choose (not counted as read)
             read = self.store.bytes_read
             state = KeyCopy()
-            state.buffer._buf = self._stored(layer, tables, [past] * len(rows), past)[0]
+            state.buffer._buf = self._stored(layer, tables, past)[0]
             state.buffer.length, self.store.bytes_read = past, read
             chosen = sel.select(state, layer, own, past, valid)
             return chosen.indices, chosen.valid
