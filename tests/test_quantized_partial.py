@@ -13,7 +13,7 @@ from conftest import VOCAB, tiny_model
 from infinigen import InfiniGenConfig, attach, kernels
 from infinigen.compat import cache_kwargs
 from infinigen.config import ConfigError
-from infinigen.select.quantized import LEVELS, QuantizedPartialKeys, channel_scales, dequantize, quantize
+from infinigen.select.quantized import LEVELS, QuantizedPartialKeys, channel_scales, code_scores, dequantize, quantize
 from infinigen.speculate import aggregate_group, partial_scores, select_positions, top_up
 
 FORMATS = ["int8", "int4"]
@@ -105,11 +105,14 @@ def _kernel():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("agg", ["max", "union", "sum"])
 @pytest.mark.parametrize("budget", [0.05, 0.3, 1.0])
-def test_kernel_scores_the_codes_as_the_dequantized_reference(fmt, agg, budget):
+def test_kernel_scores_the_codes_as_their_tensor_path(fmt, agg, budget):
     for seed in range(3):
         stored, scales, kq, bias, keys, query, valid = _exact_case(seed, fmt)
         t = keys.shape[2]
-        g = aggregate_group(partial_scores(query, keys, 1.0), valid, keys.shape[1], agg)
+        # 4-bit codes are scored in integers against the int8 query (their tensor path, `code_scores`);
+        # int8 codes in float, as the dequantized keys
+        s = code_scores(stored, scales, kq, bias, t) if fmt == "int4" else partial_scores(query, keys, 1.0)
+        g = aggregate_group(s, valid, keys.shape[1], agg)
         ref = select_positions(g, valid, math.inf, budget, None, 1)
         idx, counts = kernels.select(stored, t, kq, valid, agg, math.inf, budget, None, 1, scales=scales, bias=bias)
         assert torch.equal(counts, ref.counts)

@@ -1,21 +1,33 @@
 """Small C kernels for the decode hot path, compiled once per machine on first use.
 
-Selection at decode is a dozen tensor operations per layer over every cached position, and a
-disk gather a dozen more plus one system call per read; each costs microseconds of dispatch
-and holds the interpreter lock, which on a CPU adds up to a large share of a step. `select.c`
-does the selection rule in one pass; `gather.c` does a disk tier's gather (RAM tail, block
-cache, coalesced reads all in flight through Linux AIO, row assembly) without the interpreter
-lock; `attend.c` attends a decode position over rows as stored in 16 bits, widening them in
-registers instead of through a float copy; `quantize.c` quantizes new partial keys into their
-buffers. They are plain C99 built with the system C compiler (``$CC``, else ``cc``) for the CPU
-they run on, cached under the infinigen cache folder keyed by the sources, the compiler flags
-and the CPU, and called through ctypes (no Python headers). Without a compiler, or with
-``INFINIGEN_KERNELS=0``, `available()` is False and callers use their Python code (tensor
-operations for the selection, `DiskTier`'s own gather), which the tests hold the kernels to.
+Decoding at long context is bound by memory traffic, so each kernel reads its data where it lies,
+once, on the cores torch itself uses. One job per file:
+- `score.c`: partial scores of 4-bit partial-key codes against int8 queries in integer dot
+  products, block by block (vLLM's pages through a block table, or the library's buffers); the
+  instruction path is chosen when it runs (`isa.c`: AVX-512 VNNI, AVX-512 BW, AVX-VNNI, AVX2, or the
+  portable C that CI holds every other path to, bit for bit);
+- `select.c`: the selection rule over those scores (aggregation of a GQA group, the budget's cut by
+  a radix select over sampled candidates, units, the correction's top-up), one row or a whole step's
+  rows at once (`select_codes`, threaded);
+- `attend.c`: attention of a decode position over rows as stored in 16 bits, widened in registers:
+  over rows gathered into buffers (`attend`), or over chosen positions read where the tier keeps
+  them (`attend_rows`, threaded, exact softmax parts merged);
+- `quantize.c`: new partial keys quantized into their codes;
+- `paged.c`: one decode layer of a batch over an engine's pages in one call (vLLM's plugin);
+- `gather.c`: a disk tier's gather (RAM tail, block cache, coalesced reads in flight through Linux
+  AIO, row assembly) without the interpreter lock.
+They are plain C99 built with the system C compiler (``$CC``, else ``cc``) for the CPU they run on,
+with OpenMP: the runtime torch has loaded (the same ``libgomp.so.1``), so the kernels' threads are
+torch's own and the two never compete for a core. They are cached under the infinigen cache folder
+keyed by the sources, the compiler flags and the CPU, and called through ctypes (no Python headers).
+Without a compiler, or with ``INFINIGEN_KERNELS=0``, `available()` is False and callers use their
+Python code (tensor operations), which the tests hold the kernels to; ``INFINIGEN_ISA=portable``
+caps the instruction path (`isa_cap` does it for a block of code).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -31,8 +43,13 @@ import torch
 
 from infinigen.paths import default_cache_dir
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("select.c", "gather.c", "attend.c", "quantize.c")]
-_HEADERS = [Path(__file__).with_name("numeric.h")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("select.c", "gather.c", "attend.c", "quantize.c", "score.c", "isa.c", "paged.c")
+]
+_HEADERS = [
+    Path(__file__).with_name(name) for name in ("numeric.h", "isa.h", "score.h", "select.h", "attend.h", "scratch.h")
+]
 AGGREGATIONS = {"max": 0, "union": 1, "sum": 2, "mass": 3}
 UNIT_RULES = {"max": 0, "mass": 1, "top2": 2}  # speculate.UNIT_SCORES, as the kernel numbers them
 # The partial keys' formats the selection kernel reads (widened to float32 as it scores); int8:
@@ -42,11 +59,22 @@ KEY_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CODE_FORMATS = {torch.int8: 3, torch.uint8: 4}
 MAX_GROUP = 16  # query heads per KV head the kernels take (select.c's MAX_GROUP)
 # -fno-trapping-math lets the compiler turn the kernels' float selects into vector blends (the
-# results are IEEE-identical; only floating-point exception flags could differ, and none are read).
+# results are IEEE-identical; only floating-point exception flags could differ, and none are read);
+# -ffp-contract=off keeps every path's float finish the same sequence of roundings (no fused
+# multiply-adds where the reference has none). -fopenmp: the kernels' threads are those of the
+# OpenMP runtime torch has loaded (the same libgomp.so.1, found by its name), so the kernels and
+# torch's operations share one pool of threads and never compete for a core; without OpenMP the
+# kernels run on the calling thread.
+_BASE_FLAGS = ["-O3", "-fno-trapping-math", "-fno-strict-aliasing", "-ffp-contract=off"]
 _FLAG_SETS = (
-    ["-O3", "-march=native", "-fno-trapping-math", "-fno-strict-aliasing"],
-    ["-O3", "-fno-trapping-math", "-fno-strict-aliasing"],
+    [*_BASE_FLAGS, "-march=native", "-mprefer-vector-width=512", "-fopenmp"],  # x86: 512-bit loops where it has them
+    [*_BASE_FLAGS, "-march=native", "-fopenmp"],
+    [*_BASE_FLAGS, "-fopenmp"],
+    [*_BASE_FLAGS, "-march=native"],
+    _BASE_FLAGS,
 )
+# The instruction paths of the integer kernels (isa.h), best last; `isa()` says which one runs.
+ISA_PATHS = ("portable", "avx2", "avx-vnni", "avx512", "avx512-vnni")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -89,7 +117,11 @@ def _compile() -> ctypes.CDLL:
                 errors.append(f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}")
                 continue
             os.replace(tmp, target)  # atomic: concurrent first uses never load a half-written file
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as exc:  # e.g. an OpenMP runtime it cannot use: the next flag set
+            errors.append(f"{target}: {exc}")
+            continue
         _bind(lib)
         return lib
     raise RuntimeError("; ".join(errors))
@@ -110,6 +142,16 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ig_quantize_keys.argtypes = [p, p, p, i64, i64, i64, cint, p, p, i64, i64]
     lib.ig_widen.restype = None
     lib.ig_widen.argtypes = [p, cint, i64, p]
+    lib.ig_isa.restype = lib.ig_isa_best.restype = cint
+    lib.ig_isa.argtypes = lib.ig_isa_best.argtypes = []
+    lib.ig_set_isa_cap.restype = None
+    lib.ig_set_isa_cap.argtypes = [cint]
+    lib.ig_select_codes.restype = i64
+    lib.ig_select_codes.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, p, p, p, p, i64, p, p, cint]
+    lib.ig_attend_rows.restype = i64
+    lib.ig_attend_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, p, p, p, p, cint]
+    lib.ig_paged_decode.restype = i64
+    lib.ig_paged_decode.argtypes = [p]
     u64 = ctypes.c_uint64
     lib.ig_aio_setup.restype = u64
     lib.ig_aio_setup.argtypes = [i64]
@@ -140,6 +182,8 @@ def library() -> ctypes.CDLL | None:
                     RuntimeWarning,
                     stacklevel=2,
                 )
+            if _lib is not None and os.environ.get("INFINIGEN_ISA"):  # cap the integer paths (tests, CI)
+                _lib.ig_set_isa_cap(ISA_PATHS.index(os.environ["INFINIGEN_ISA"]))
             _tried = True
     return _lib
 
@@ -217,6 +261,12 @@ def quantize_keys(
         )  # fmt: skip
         == 0
     )
+
+
+def attend_reads(head_dim: int) -> bool:
+    """Whether the attention kernels are built and read rows of this head dim."""
+    lib = library()
+    return lib is not None and lib.ig_attend_scratch(head_dim) > 0
 
 
 def can_attend(rows: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -398,7 +448,7 @@ class _Call:
         self.out = torch.empty(self.rows, max(length, 1), dtype=torch.int64)
         self.counts = torch.empty(self.rows, dtype=torch.int64)
         f32 = torch.float32
-        scratch = [torch.empty(g, max(length, 1), dtype=f32), torch.empty(max(length, 1), dtype=f32)]
+        scratch = [torch.empty(2 * g, max(length, 1), dtype=f32), torch.empty(max(length, 1), dtype=f32)]
         scratch.append(torch.empty_like(scratch[1]))
         self._keep += scratch
         self.head = (
@@ -413,3 +463,194 @@ class _Call:
         if n < 0:
             raise ValueError(f"a GQA group of more than {MAX_GROUP} query heads per KV head is not supported")
         return self.out[:, :n].reshape(*self.shape, n), self.counts.reshape(self.shape)
+
+
+# ---------------------------------------------------------------------- the integer paths
+def isa() -> str:
+    """The instruction path the integer kernels take on this CPU (`ISA_PATHS`), or "none"."""
+    lib = library()
+    return ISA_PATHS[lib.ig_isa()] if lib is not None else "none"
+
+
+def best_isa() -> str:
+    """The best instruction path this CPU has, whatever the cap."""
+    lib = library()
+    return ISA_PATHS[lib.ig_isa_best()] if lib is not None else "none"
+
+
+@contextlib.contextmanager
+def isa_cap(name: str):
+    """Run the integer kernels on at most path `name` (`ISA_PATHS`) inside the block: how the tests
+    hold every path the machine has to the portable one, and how a benchmark prints both."""
+    lib = _need()
+    lib.ig_set_isa_cap(ISA_PATHS.index(name))
+    try:
+        yield
+    finally:
+        lib.ig_set_isa_cap(-1)
+
+
+def threads() -> int:
+    """Threads the kernels run on: torch's own count (they share its OpenMP pool)."""
+    return max(1, torch.get_num_threads())
+
+
+def _need() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the C kernels are unavailable: {_why_not}")
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class Codes(ctypes.Structure):
+    """Where packed 4-bit codes lie (select.h's ig_codes): byte strides from request 0, KV head 0,
+    block id 0; `tables` [R, table_ld] int32 block ids or None (each request's codes one block)."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("tables", ctypes.c_void_p),
+        ("table_ld", ctypes.c_int64), ("code_request", ctypes.c_int64), ("code_head", ctypes.c_int64),
+        ("code_block", ctypes.c_int64), ("scale_request", ctypes.c_int64), ("scale_head", ctypes.c_int64),
+        ("scale_block", ctypes.c_int64), ("block", ctypes.c_int64), ("ld", ctypes.c_int64), ("pairs", ctypes.c_int64),
+    ]  # fmt: skip
+
+    @classmethod
+    def contiguous(cls, codes: torch.Tensor, scales: torch.Tensor) -> Codes:
+        """The library's buffers: codes [B, Hkv, pairs, capacity] uint8, scales [B, Hkv, 1, capacity] float16."""
+        b, hkv, pairs, cap = codes.shape
+        return cls(codes.data_ptr(), scales.data_ptr(), None, 0, hkv * pairs * cap, pairs * cap, 0, hkv * cap * 2,
+                   cap * 2, 0, max(cap, 1), cap, pairs)  # fmt: skip
+
+
+class Rule(ctypes.Structure):
+    """The selection rule (select.h's ig_rule)."""
+
+    _fields_ = [
+        ("mode", ctypes.c_int64), ("unit_rule", ctypes.c_int64), ("alpha", ctypes.c_double),
+        ("budget", ctypes.c_double), ("budget_tokens", ctypes.c_int64), ("min_tokens", ctypes.c_int64),
+        ("unit", ctypes.c_int64), ("correction", ctypes.c_double),
+    ]  # fmt: skip
+
+    @classmethod
+    def of(cls, aggregation: str, alpha: float, budget: float, budget_tokens: int | None, min_tokens: int,
+           unit: int = 1, unit_score: str = "max", correction: float = 0.0) -> Rule:  # fmt: skip
+        return cls(AGGREGATIONS[aggregation], UNIT_RULES[unit_score], float(alpha), float(budget),
+                   -1 if budget_tokens is None else int(budget_tokens), int(min_tokens), int(unit), float(correction))  # fmt: skip
+
+
+def select_codes(
+    codes: Codes,
+    lengths: torch.Tensor,
+    spec: torch.Tensor,
+    spec_bias: torch.Tensor | None,
+    rule: Rule,
+    own: torch.Tensor | None = None,
+    own_bias: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    keep: tuple | None = None,
+    threads_: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every (request, KV head) row's positions over codes where they lie, in one call (select.c's
+    `ig_select_codes`). lengths [R] int64; spec, own [R, Hkv, G, C] scaled partial queries with
+    the channel scales folded in; biases [R, Hkv, G]; valid [R, Hkv, T] bool or None. Returns
+    positions [R, Hkv, T] int64 (the chosen ascending, then the top-up's), counts and top-up counts
+    [R, Hkv]. `keep`: tensors whose memory `codes` points into (held for the call)."""
+    lib = _need()
+    r, hkv, g, c = spec.shape
+    t = int(lengths.max()) if r else 0
+    out = torch.zeros(r, hkv, max(t, 1), dtype=torch.int64)  # past each row's count: 0
+    counts = torch.zeros(r, hkv, dtype=torch.int64)
+    extra = torch.zeros(r, hkv, dtype=torch.int64)
+    args = [x.to(torch.float32).contiguous() if x is not None else None for x in (spec, spec_bias, own, own_bias)]
+    vmask = None if valid is None else valid.to(torch.uint8).contiguous()
+    lengths = lengths.to(torch.int64).contiguous()
+    n = lib.ig_select_codes(
+        ctypes.byref(codes), r, hkv, g, c, lengths.data_ptr(), _ptr(vmask), 0 if vmask is None else vmask.shape[-1],
+        *(_ptr(a) for a in args), ctypes.byref(rule), out.data_ptr(), out.shape[-1], counts.data_ptr(),
+        extra.data_ptr(), threads_ or threads(),
+    )  # fmt: skip
+    if n < 0:
+        raise ValueError(f"the selection kernel refused its arguments (code {n})")
+    return out, counts, extra
+
+
+class KVRows(ctypes.Structure):
+    """Where K and V rows lie (attend.h's ig_kv_rows), element strides."""
+
+    _fields_ = [
+        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("tables", ctypes.c_void_p), ("table_ld", ctypes.c_int64),
+        ("request", ctypes.c_int64), ("head", ctypes.c_int64), ("block_stride", ctypes.c_int64),
+        ("row", ctypes.c_int64), ("block", ctypes.c_int64), ("format", ctypes.c_int64),
+    ]  # fmt: skip
+
+    @classmethod
+    def contiguous(cls, k: torch.Tensor, v: torch.Tensor) -> KVRows:
+        """Rows [B, Hkv, capacity, d] (k and v laid out alike, channels contiguous)."""
+        b, hkv, cap, d = k.shape
+        return cls(k.data_ptr(), v.data_ptr(), None, 0, k.stride(0), k.stride(1), 0, k.stride(2), max(cap, 1),
+                   KEY_FORMATS[k.dtype])  # fmt: skip
+
+
+def attend_rows(
+    rows: KVRows,
+    query: torch.Tensor,
+    lengths: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
+    threads_: int | None = None,
+) -> torch.Tensor:
+    """Attention of each (request, KV head) row's query heads over its chosen positions (or every
+    position below lengths[r]) and its new position, reading the rows where `rows` says they lie.
+    query [R, Hkv, G, d] float32 already scaled; positions [R, Hkv, n] int64 with counts [R, Hkv];
+    new (k, v) [R, Hkv, d]. Returns [R, Hkv, G, d] float32."""
+    lib = _need()
+    r, hkv, g, d = query.shape
+    q = query.to(torch.float32).contiguous()
+    pos = None if positions is None else positions.to(torch.int64).contiguous()
+    cnt = None if counts is None else counts.to(torch.int64).contiguous()
+    knew, vnew = (None, None) if new is None else (x.to(torch.float32).contiguous() for x in new)
+    out = torch.empty(r, hkv, g, d, dtype=torch.float32)
+    lengths = lengths.to(torch.int64).contiguous()
+    rc = lib.ig_attend_rows(
+        ctypes.byref(rows), r, hkv, g, d, q.data_ptr(), _ptr(pos), _ptr(cnt), 0 if pos is None else pos.shape[-1],
+        lengths.data_ptr(), _ptr(knew), _ptr(vnew), out.data_ptr(), threads_ or threads(),
+    )  # fmt: skip
+    if rc < 0:
+        raise ValueError(f"the attention kernel refused its arguments (code {rc})")
+    return out
+
+
+class PagedStep(ctypes.Structure):
+    """One decode layer over an engine's pages (paged.c's ig_paged_step): filled by the vLLM
+    runtime, run by `paged_decode`."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("R", "H", "Hkv", "d", "C", "pairs", "bs")),
+        ("rows", ctypes.c_void_p), ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("q_row", ctypes.c_int64), ("k_row", ctypes.c_int64), ("v_row", ctypes.c_int64),
+        ("out_row", ctypes.c_int64), ("io_format", ctypes.c_int64), ("slots", ctypes.c_void_p),
+        ("lengths", ctypes.c_void_p), ("tables", ctypes.c_void_p), ("table_ld", ctypes.c_int64),
+        ("store", ctypes.c_void_p), ("store_format", ctypes.c_int64), ("page", ctypes.c_void_p),
+        ("page_row", ctypes.c_int64), ("proj", ctypes.c_void_p), ("mu", ctypes.c_void_p), ("sigma", ctypes.c_void_p),
+        ("stats_stride", ctypes.c_int64), ("stats_head", ctypes.c_int64), ("spec", ctypes.c_void_p),
+        ("cos_sin", ctypes.c_void_p), ("rot", ctypes.c_int64), ("neox", ctypes.c_int64), ("scaling", ctypes.c_double),
+        ("rule", Rule),
+        ("positions", ctypes.c_void_p), ("counts", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+        ("ldp", ctypes.c_int64), ("work", ctypes.c_void_p), ("threads", ctypes.c_int64), ("write_kv", ctypes.c_int64),
+        ("attended", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+def paged_work(r: int, h: int, hkv: int, d: int, c: int) -> int:
+    """Floats of scratch `paged_decode` needs for r requests (PagedStep.work)."""
+    return 4 * r * h * d + 2 * r * hkv * d + 2 * r * h * c + 2 * r * h
+
+
+def paged_decode(step: PagedStep) -> None:
+    rc = _need().ig_paged_decode(ctypes.byref(step))
+    if rc < 0:
+        raise ValueError(f"the paged decode kernel refused its arguments (code {rc})")

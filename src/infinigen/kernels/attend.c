@@ -13,9 +13,12 @@
  * normalizer, which merges parts; -inf and 0, with a zero output, where nothing was attended).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "attend.h"
 #include "numeric.h"
+#include "scratch.h"
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -75,6 +78,33 @@ static inline void dot4(const float *a, const float *b, int64_t d, float *out) {
     out[0] = lane_sum(l0), out[1] = lane_sum(l1), out[2] = lane_sum(l2), out[3] = lane_sum(l3);
 }
 
+/* dot and dot4 in 16 partial sums, for a d that is a multiple of 16 (a 512-bit vector's floats):
+ * half the multiply-add instructions of LANES where the CPU has the registers. */
+static inline float lane_sum16(const float *l) {
+    float a[LANES];
+    for (int j = 0; j < LANES; j++) a[j] = l[j] + l[j + LANES];
+    return lane_sum(a);
+}
+
+static inline float dot16(const float *a, const float *b, int64_t d) {
+    float lane[16] = {0};
+    for (int64_t c = 0; c < d; c += 16)
+        for (int j = 0; j < 16; j++) lane[j] += a[c + j] * b[c + j];
+    return lane_sum16(lane);
+}
+
+static inline void dot4_16(const float *a, const float *b, int64_t d, float *out) {
+    float l0[16] = {0}, l1[16] = {0}, l2[16] = {0}, l3[16] = {0};
+    for (int64_t c = 0; c < d; c += 16)
+        for (int j = 0; j < 16; j++) {
+            l0[j] += a[c + j] * b[c + j];
+            l1[j] += a[c + j] * b[d + c + j];
+            l2[j] += a[c + j] * b[2 * d + c + j];
+            l3[j] += a[c + j] * b[3 * d + c + j];
+        }
+    out[0] = lane_sum16(l0), out[1] = lane_sum16(l1), out[2] = lane_sum16(l2), out[3] = lane_sum16(l3);
+}
+
 /* The largest of x[0..n) and `start`, in LANES partial maxima (vectorizable). */
 static float max_from(const float *x, int64_t n, float start) {
     float lane[LANES];
@@ -95,6 +125,31 @@ static float sum_of(const float *x, int64_t n) {
         for (int j = 0; j < LANES; j++) lane[j] += x[t + j];
     for (; t < n; t++) lane[0] += x[t];
     return lane_sum(lane);
+}
+
+/* out[c] += sum_i w[i] * rows[i][c] for c < d (a multiple of LANES): each run of 64 (else LANES)
+ * channels is summed in registers over the rows, in the rows' order (a sum into memory, row after
+ * row, would wait on its own store at every row). */
+static inline void weighted_sum(float *out, const float *w, const float *rows, int64_t n, int64_t d) {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= d; c0 += 64) {
+        float a[64];
+        memcpy(a, out + c0, sizeof a);
+        for (int64_t i = 0; i < n; i++) {
+            const float wi = w[i], *ri = rows + i * d + c0;
+            for (int c = 0; c < 64; c++) a[c] += wi * ri[c];
+        }
+        memcpy(out + c0, a, sizeof a);
+    }
+    for (; c0 + LANES <= d; c0 += LANES) {
+        float a[LANES];
+        memcpy(a, out + c0, sizeof a);
+        for (int64_t i = 0; i < n; i++) {
+            const float wi = w[i], *ri = rows + i * d + c0;
+            for (int c = 0; c < LANES; c++) a[c] += wi * ri[c];
+        }
+        memcpy(out + c0, a, sizeof a);
+    }
 }
 
 /* The floats of scratch `tile` that ig_attend needs for head dim d, or 0 when it cannot read d
@@ -145,16 +200,161 @@ void ig_attend(const void *k, const void *v, int format, int64_t B, int64_t H, i
             for (int64_t t0 = 0; t0 < n; t0 += ATT_TILE) { /* the rows' part of the output */
                 const int64_t m = n - t0 < ATT_TILE ? n - t0 : ATT_TILE;
                 widen_tile(vr + t0 * sn * size, format, sn, m, d, vt);
-                for (int64_t g = 0; g < G; g++) {
-                    float *og = o + g * d;
-                    const float *pg = p + g * T + t0;
-                    for (int64_t i = 0; i < m; i++) {
-                        const float w = pg[i];
-                        const float *vi = vt + i * d;
-                        for (int64_t c = 0; c < d; c++) og[c] += w * vi[c];
-                    }
-                }
+                for (int64_t g = 0; g < G; g++) weighted_sum(o + g * d, p + g * T + t0, vt, m, d);
             }
         }
     }
+}
+
+/* ------------------------------------------------------------------ rows read where they lie
+ * A decode step's attention over the chosen positions of each (request, KV head) row, read by
+ * position from where the tier keeps them (vLLM's blocks through its block tables, or the
+ * library's buffers): no gather into a step buffer. The rows are split into pieces of positions
+ * over `nthreads` threads of torch's own OpenMP pool; each piece is an exact softmax part (its
+ * maximum, its sum of exponentials, its weighted values), merged with the new position's. */
+
+static __thread arena piece_arena, merge_arena;
+
+/* Where position p of row (r, h) lies (elements). A block of a power-of-two size (vLLM's) is found
+ * by a shift: a 64-bit division per row would cost more than reading the row. */
+static inline int64_t kv_offset(const ig_kv_rows *kv, int64_t r, int64_t h, int64_t p) {
+    if (!kv->tables) return r * kv->request + h * kv->head + p * kv->row;
+    const int64_t bs = kv->block;
+    const int64_t blk = (bs & (bs - 1)) == 0 ? p >> __builtin_ctzll((unsigned long long)bs) : p / bs;
+    return h * kv->head + kv->tables[r * kv->table_ld + blk] * kv->block_stride + (p - blk * bs) * kv->row;
+}
+
+/* One piece: positions [a, b) of row (r, h) (pos: its positions, or NULL: a..b themselves). part:
+ * [G][d + 2] = weighted values, then the maximum and the sum of exponentials. */
+/* Asks for the rows of positions [t0, t1) of the piece ahead of their use (they lie anywhere: the
+ * hardware's stream prefetcher cannot guess them). */
+static inline void prefetch_rows(const ig_kv_rows *kv, const void *base, int64_t r, int64_t h, const int64_t *pos,
+                                 int64_t a, int64_t t0, int64_t t1, int64_t bytes) {
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t at = pos ? pos[a + t] : a + t;
+        const char *row = (const char *)base + kv_offset(kv, r, h, at) * (kv->format == KEYS_F32 ? 4 : 2);
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(row + o, 0, 3);
+    }
+}
+
+static void attend_piece(const ig_kv_rows *kv, int64_t r, int64_t h, int64_t G, int64_t d, const float *q,
+                         const int64_t *pos, int64_t a, int64_t b, float *part, float *work) {
+    const int64_t size = kv->format == KEYS_F32 ? 4 : 2, m = b - a, bytes = d * size;
+    float *p = work, *tile = work + G * m; /* scores [G][m], then a tile of rows [ATT_TILE][d] */
+    prefetch_rows(kv, kv->k, r, h, pos, a, 0, m < ATT_TILE ? m : ATT_TILE, bytes);
+    for (int64_t t0 = 0; t0 < m; t0 += ATT_TILE) {
+        const int64_t n = m - t0 < ATT_TILE ? m - t0 : ATT_TILE;
+        const int64_t ahead = t0 + ATT_TILE + ATT_TILE < m ? t0 + 2 * ATT_TILE : m;
+        if (t0 + ATT_TILE < m) prefetch_rows(kv, kv->k, r, h, pos, a, t0 + ATT_TILE, ahead, bytes);
+        else prefetch_rows(kv, kv->v, r, h, pos, a, 0, m < ATT_TILE ? m : ATT_TILE, bytes);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t at = pos ? pos[a + t0 + i] : a + t0 + i;
+            widen_run((const char *)kv->k + kv_offset(kv, r, h, at) * size, (int)kv->format, d, tile + i * d);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *pg = p + g * m + t0;
+            int64_t i = 0;
+            if (d % 16 == 0) {
+                for (; i + 4 <= n; i += 4) dot4_16(q + g * d, tile + i * d, d, pg + i);
+                for (; i < n; i++) pg[i] = dot16(q + g * d, tile + i * d, d);
+            } else {
+                for (; i + 4 <= n; i += 4) dot4(q + g * d, tile + i * d, d, pg + i);
+                for (; i < n; i++) pg[i] = dot(q + g * d, tile + i * d, d);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *pg = p + g * m, *acc = part + g * (d + 2);
+        const float top = max_from(pg, m, -INFINITY);
+        for (int64_t t = 0; t < m; t++) pg[t] = exp_f(pg[t] - top);
+        acc[d] = top;
+        acc[d + 1] = sum_of(pg, m);
+        memset(acc, 0, (size_t)d * sizeof(float));
+    }
+    for (int64_t t0 = 0; t0 < m; t0 += ATT_TILE) {
+        const int64_t n = m - t0 < ATT_TILE ? m - t0 : ATT_TILE;
+        if (t0 + ATT_TILE < m)
+            prefetch_rows(kv, kv->v, r, h, pos, a, t0 + ATT_TILE, t0 + 2 * ATT_TILE < m ? t0 + 2 * ATT_TILE : m, bytes);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t at = pos ? pos[a + t0 + i] : a + t0 + i;
+            widen_run((const char *)kv->v + kv_offset(kv, r, h, at) * size, (int)kv->format, d, tile + i * d);
+        }
+        for (int64_t g = 0; g < G; g++) weighted_sum(part + g * (d + 2), p + g * m + t0, tile, n, d);
+    }
+}
+
+/* Returns 0, -1 for a head dim it does not read, -2 when scratch cannot be allocated. */
+int64_t ig_attend_rows(const ig_kv_rows *kv, int64_t R, int64_t Hkv, int64_t G, int64_t d, const float *q,
+                       const int64_t *positions, const int64_t *counts, int64_t ldp, const int64_t *lengths,
+                       const float *knew, const float *vnew, float *out, int nthreads) {
+    if (ig_attend_scratch(d) == 0) return -1;
+    const int64_t rows = R * Hkv;
+    int64_t total = 0;
+    for (int64_t i = 0; i < rows; i++) total += positions ? counts[i] : lengths[i / Hkv];
+    /* pieces: enough for every thread several times over, none below 64 positions */
+    int64_t span = total / (4 * (nthreads > 0 ? nthreads : 1));
+    span = span < 64 ? 64 : (span > 2048 ? 2048 : span);
+    int64_t items = 0;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t n = positions ? counts[i] : lengths[i / Hkv];
+        items += (n + span - 1) / span;
+    }
+    char *base = scratch(&merge_arena, (size_t)(items + 1) * 2 * sizeof(int64_t) +
+                                               (size_t)(items + 1) * G * (d + 2) * sizeof(float));
+    if (!base) return -2;
+    int64_t *first = (int64_t *)base, *owner = first + items + 1;
+    float *parts = (float *)(owner + items + 1);
+    int64_t it = 0;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t n = positions ? counts[i] : lengths[i / Hkv];
+        for (int64_t a = 0; a < n; a += span, it++) first[it] = a, owner[it] = i;
+    }
+    int failed = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t j = 0; j < items; j++) {
+        const int64_t i = owner[j], r = i / Hkv, h = i % Hkv, a = first[j];
+        const int64_t n = positions ? counts[i] : lengths[r], b = a + span < n ? a + span : n;
+        float *work = scratch(&piece_arena, (size_t)(G * span + ATT_TILE * d) * sizeof(float));
+        if (!work) {
+            failed = 1;
+            continue;
+        }
+        attend_piece(kv, r, h, G, d, q + i * G * d, positions ? positions + i * ldp : NULL, a, b,
+                     parts + j * G * (d + 2), work);
+    }
+    if (failed) return -2;
+    /* merge each row's pieces and its new position (pieces of a row are consecutive items) */
+    int64_t j0 = 0;
+    for (int64_t i = 0; i < rows; i++) {
+        int64_t j1 = j0;
+        while (j1 < items && owner[j1] == i) j1++;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = q + (i * G + g) * d;
+            float *o = out + (i * G + g) * d;
+            const float snew = knew ? dot(qg, knew + i * d, d) : -INFINITY;
+            float top = snew;
+            for (int64_t j = j0; j < j1; j++) {
+                const float mj = parts[(j * G + g) * (d + 2) + d];
+                top = mj > top ? mj : top;
+            }
+            if (top == -INFINITY) {
+                memset(o, 0, (size_t)d * sizeof(float));
+                continue;
+            }
+            float total_w = 0.0f;
+            const float wnew = knew ? exp_f(snew - top) : 0.0f;
+            for (int64_t c = 0; c < d; c++) o[c] = knew ? wnew * vnew[i * d + c] : 0.0f;
+            total_w += wnew;
+            for (int64_t j = j0; j < j1; j++) {
+                const float *pj = parts + (j * G + g) * (d + 2);
+                const float w = pj[d] == -INFINITY ? 0.0f : exp_f(pj[d] - top);
+                for (int64_t c = 0; c < d; c++) o[c] += w * pj[c];
+                total_w += w * pj[d + 1];
+            }
+            const float inv = 1.0f / total_w;
+            for (int64_t c = 0; c < d; c++) o[c] *= inv;
+        }
+        j0 = j1;
+    }
+    return 0;
 }

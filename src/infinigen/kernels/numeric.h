@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* exp in float, branch-free so that the position loops vectorize (libm's exp and log
  * are scalar calls). Cephes' single-precision polynomials: relative error about 2e-7 over the
@@ -50,6 +51,33 @@ static inline float widen_f16(uint16_t h) {
     out.f = body < (1u << 27) ? sub.f - 0.5f : normal.f * 0x1.0p-112f;
     out.i |= w & 0x80000000u;
     return out.f;
+}
+
+/* float to IEEE half, rounding to nearest even as torch's conversion does (overflow to
+ * infinity, NaN kept quiet). Scalar: one per position and row. */
+static inline uint16_t narrow_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds past 65504 */
+    if (ax < 0x38800000u) {                                   /* below 2^-14: a subnormal half */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f)); /* exact product, then RNE */
+    }
+    uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
+    const uint32_t rest = ax & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++; /* a carry moves into the exponent */
+    return (uint16_t)(sign | h);
+}
+
+/* float to bfloat16, rounding to nearest even as torch's conversion does (NaN kept quiet). */
+static inline uint16_t narrow_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
 #endif

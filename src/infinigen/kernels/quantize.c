@@ -15,26 +15,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { QUANT_I8 = 3, QUANT_I4 = 4, MAX_CHANNELS = 1024 };
+#include "numeric.h"
 
-/* float to IEEE half, rounding to nearest even as torch's conversion does (overflow to
- * infinity, NaN kept quiet). Scalar: one per position and row. */
-static uint16_t narrow_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds past 65504 */
-    if (ax < 0x38800000u) {                                   /* below 2^-14: a subnormal half */
-        float a;
-        memcpy(&a, &ax, sizeof a);
-        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f)); /* exact product, then RNE */
-    }
-    uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
-    const uint32_t rest = ax & 0x1fffu;
-    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++; /* a carry moves into the exponent */
-    return (uint16_t)(sign | h);
-}
+enum { QUANT_I8 = 3, QUANT_I4 = 4, MAX_CHANNELS = 1024 };
 
 static float widen_half(uint16_t h) { /* exact; the scale as stored is what the codes round against */
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu;
@@ -54,32 +37,38 @@ static float widen_half(uint16_t h) { /* exact; the scale as stored is what the 
     return f;
 }
 
+/* One position's partial key k [C] quantized about mu, sigma [C]: its codes q [C] (clamped to
+ * +-levels) and its float16 scale. */
+void ig_quantize_position(const float *k, const float *mu, const float *sigma, int64_t C, float levels, int32_t *q,
+                          uint16_t *scale) {
+    float x[MAX_CHANNELS];
+    float top = 0.0f;
+    for (int64_t c = 0; c < C; c++) {
+        x[c] = (k[c] - mu[c]) / sigma[c];
+        const float a = fabsf(x[c]);
+        top = a > top ? a : top;
+    }
+    const uint16_t half = narrow_f16(top / levels);
+    const float s = widen_half(half);
+    const float by = s > 0.0f ? s : 1.0f;
+    for (int64_t c = 0; c < C; c++) {
+        const float v = nearbyintf(x[c] / by);
+        q[c] = (int32_t)(v < -levels ? -levels : (v > levels ? levels : v));
+    }
+    *scale = half;
+}
+
 /* Returns 0, or -1 for a format or channel count it does not take (nothing written). */
 int64_t ig_quantize_keys(const float *keys, const float *mu, const float *sigma, int64_t R, int64_t n, int64_t C,
                          int format, void *codes, uint16_t *scales, int64_t ld, int64_t at) {
     if ((format != QUANT_I8 && format != QUANT_I4) || C < 1 || C > MAX_CHANNELS) return -1;
     const float levels = format == QUANT_I8 ? 127.0f : 7.0f;
     const int64_t cc = format == QUANT_I8 ? C : (C + 1) / 2;
-    float x[MAX_CHANNELS + 1];
     int32_t q[MAX_CHANNELS + 1];
     for (int64_t r = 0; r < R; r++) {
         for (int64_t t = 0; t < n; t++) {
-            const float *k = keys + (r * n + t) * C;
-            float top = 0.0f;
-            for (int64_t c = 0; c < C; c++) {
-                x[c] = (k[c] - mu[r * C + c]) / sigma[r * C + c];
-                const float a = fabsf(x[c]);
-                top = a > top ? a : top;
-            }
-            const uint16_t half = narrow_f16(top / levels);
-            const float s = widen_half(half);
-            const float by = s > 0.0f ? s : 1.0f;
-            for (int64_t c = 0; c < C; c++) {
-                const float v = nearbyintf(x[c] / by);
-                q[c] = (int32_t)(v < -levels ? -levels : (v > levels ? levels : v));
-            }
+            ig_quantize_position(keys + (r * n + t) * C, mu + r * C, sigma + r * C, C, levels, q, scales + r * ld + at + t);
             q[C] = 0; /* the padding channel of an odd count */
-            scales[r * ld + at + t] = half;
             if (format == QUANT_I8) {
                 int8_t *out = (int8_t *)codes + r * cc * ld + at + t;
                 for (int64_t c = 0; c < C; c++) out[c * ld] = (int8_t)q[c];

@@ -21,7 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "isa.h"
 #include "numeric.h"
+#include "score.h"
+#include "scratch.h"
+#include "select.h"
 
 enum { AGG_MAX = 0, AGG_UNION = 1, AGG_SUM = 2, AGG_MASS = 3 };
 enum { TILE = 64, MAX_GROUP = 16 };
@@ -66,19 +70,52 @@ static inline float key_float(uint32_t k) {
     return u.f;
 }
 
-/* The k-th largest (0-based) of the n keys in keys[] (n > k), which it overwrites: a radix
-   select, 11 + 11 + 10 bits, each pass a histogram and a compaction of the keys left in the
-   chosen bucket. Branch-free passes; a quickselect's data-dependent branches cost three times as
-   much on a row of thousands of positions. */
-static float kth_largest_key(uint32_t *keys, int64_t n, int64_t k) {
-    static const int shift[3] = {21, 10, 0};
+/* Whether position t may be chosen: valid (vr NULL: all are) and not excluded (ex NULL: none is). */
+static inline int open_at(const uint8_t *vr, const uint8_t *ex, int64_t t) {
+    return (!vr || vr[t]) && !(ex && ex[t]);
+}
+
+/* The k-th largest (0-based) of the open positions' z (vr: valid bytes, ex: excluded bytes, either
+   NULL; k below how many are open): a radix select on the floats' order keys, 11 + 11 + 10 bits,
+   each pass a histogram and a compaction of the keys left in the chosen bucket; the first pass
+   writes the keys (to `keys`, [T] scratch) as it counts them. Branch-free passes: a quickselect's
+   data-dependent branches cost three times as much on a row of thousands of positions.
+   *above: how many open positions lie strictly above the cut. */
+static float kth_largest(const float *z, const uint8_t *vr, const uint8_t *ex, int64_t T, int64_t k, uint32_t *keys,
+                         int64_t *above) {
+    /* 11 + 11 + 10 bits for long rows; 8 bits a pass for short ones (whose histograms would cost
+       more to clear and scan than their keys) */
+    static const int wide[4] = {21, 10, 0, -1}, narrow[4] = {24, 16, 8, 0};
+    const int small = T <= 4096;
+    const int *shift = small ? narrow : wide, passes = small ? 4 : 3, top_shift = shift[0];
+    const uint32_t first_buckets = small ? 256u : 2048u;
     uint32_t hist[2048];
     uint32_t prefix = 0;
-    for (int p = 0; p < 3; p++) {
+    int64_t n = 0, greater = 0;
+    for (uint32_t b = 0; b < first_buckets; b++) hist[b] = 0;
+    if (!vr && !ex) {
+        for (int64_t t = 0; t < T; t++) {
+            const uint32_t key = order_key(z[t]);
+            keys[t] = key;
+            hist[key >> top_shift]++;
+        }
+        n = T;
+    } else {
+        for (int64_t t = 0; t < T; t++) {
+            const uint32_t key = order_key(z[t]);
+            const int open = open_at(vr, ex, t);
+            keys[n] = key;
+            hist[key >> top_shift] += (uint32_t)open;
+            n += open;
+        }
+    }
+    for (int p = 0; p < passes; p++) {
         const int sh = shift[p];
-        const uint32_t nb = p < 2 ? 2048u : 1024u;
-        for (uint32_t b = 0; b < nb; b++) hist[b] = 0;
-        for (int64_t i = 0; i < n; i++) hist[(keys[i] >> sh) & (nb - 1)]++;
+        const uint32_t nb = small ? 256u : (p < 2 ? 2048u : 1024u);
+        if (p > 0) {
+            for (uint32_t b = 0; b < nb; b++) hist[b] = 0;
+            for (int64_t i = 0; i < n; i++) hist[(keys[i] >> sh) & (nb - 1)]++;
+        }
         int64_t seen = 0;
         uint32_t b = nb;
         while (b-- > 0) {
@@ -86,6 +123,7 @@ static float kth_largest_key(uint32_t *keys, int64_t n, int64_t k) {
             seen += hist[b];
         }
         k -= seen;
+        greater += seen;
         int64_t w = 0;
         for (int64_t i = 0; i < n; i++) {
             const uint32_t v = keys[i];
@@ -95,6 +133,7 @@ static float kth_largest_key(uint32_t *keys, int64_t n, int64_t k) {
         n = w;
         prefix |= b << sh;
     }
+    *above = greater;
     return key_float(prefix);
 }
 
@@ -153,39 +192,14 @@ static inline float widen_i8(int8_t x) { return (float)x; }
 SCORE_ROW(score_row_f32, float, widen_f32, 0)
 SCORE_ROW(score_row_f16, uint16_t, widen_f16, 0)
 SCORE_ROW(score_row_bf16, uint16_t, widen_bf16, 0)
-SCORE_ROW(score_row_i8, int8_t, widen_i8, 1) /* quantized codes: see score_row_i4 */
+SCORE_ROW(score_row_i8, int8_t, widen_i8, 1) /* quantized codes: see below */
 
-/* Quantized partial keys (infinigen.select.quantized): integer codes per channel and position
+/* Quantized partial keys (infinigen.select.quantized): int8 codes [C][ld] per channel and position
  * and one half-float scale per position; the per-channel scale is folded into the query by the
- * caller. scores[g][t] = s[t] * sum_c q[g][c] * code[c][t], the codes widened exactly. KEYS_I8:
- * int8 codes [C][ld]. KEYS_I4: two channels per byte, [C/2][ld], channel 2j in the low nibble and
- * 2j + 1 in the high one, each stored as code + 8 (C even: the caller pads a zero channel). */
-static void score_row_i4(const uint8_t *k, int64_t ld, const uint16_t *s, const float *q, int64_t G, int64_t C,
-                         int64_t T, float *scores) {
-    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
-        const int64_t n = T - t0 < TILE ? T - t0 : TILE;
-        float st[TILE];
-        for (int64_t i = 0; i < n; i++) st[i] = widen_f16(s[t0 + i]);
-        for (int64_t g = 0; g < G; g++) {
-            float acc[TILE];
-            for (int64_t i = 0; i < TILE; i++) acc[i] = 0.0f;
-            for (int64_t j = 0; j < C / 2; j++) {
-                const uint8_t *kc = k + j * ld + t0;
-                const float q0 = q[g * C + 2 * j], q1 = q[g * C + 2 * j + 1];
-                if (n == TILE) {
-                    for (int64_t i = 0; i < TILE; i++)
-                        acc[i] += q0 * (float)((int)(kc[i] & 15) - 8) + q1 * (float)((int)(kc[i] >> 4) - 8);
-                } else {
-                    for (int64_t i = 0; i < n; i++)
-                        acc[i] += q0 * (float)((int)(kc[i] & 15) - 8) + q1 * (float)((int)(kc[i] >> 4) - 8);
-                }
-            }
-            for (int64_t i = 0; i < n; i++) scores[g * T + t0 + i] = acc[i] * st[i];
-        }
-    }
-}
-
-/* out[i] = keys[i] widened to float (the score pass's widening, exposed so that it can be
+ * caller: scores[g][t] = s[t] * sum_c q[g][c] * code[c][t], the codes widened exactly. Packed 4-bit
+ * codes are scored in integers instead (score.c, `score_row_codes`).
+ *
+ * out[i] = keys[i] widened to float (the score pass's widening, exposed so that it can be
    checked against every 16-bit pattern). */
 void ig_widen(const void *keys, int format, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++)
@@ -197,61 +211,127 @@ void ig_widen(const void *keys, int format, int64_t n, float *out) {
 static void score_row(const void *keys, int format, int64_t offset, int64_t ld, const uint16_t *s,
                       const float *q, int64_t G, int64_t C, int64_t T, float *scores) {
     if (format == KEYS_I8) score_row_i8((const int8_t *)keys + offset, ld, s, q, G, C, T, scores);
-    else if (format == KEYS_I4) score_row_i4((const uint8_t *)keys + offset, ld, s, q, G, C, T, scores);
     else if (format == KEYS_F16) score_row_f16((const uint16_t *)keys + offset, ld, s, q, G, C, T, scores);
     else if (format == KEYS_BF16) score_row_bf16((const uint16_t *)keys + offset, ld, s, q, G, C, T, scores);
     else score_row_f32((const float *)keys + offset, ld, s, q, G, C, T, scores);
 }
 
+/* sum of exp_f(s[t] - top) over t < T: float lanes over runs of 64 tiles (vectorized), folded into
+   a double sum; each exponential is also written to e[t]. */
+static double exp_sum(const float *s, int64_t T, float top, float *e) {
+    double sum = 0.0;
+    int64_t t = 0;
+    while (t + TILE <= T) {
+        float lane[TILE] = {0.0f};
+        for (int64_t run = 0; run < 64 && t + TILE <= T; run++, t += TILE)
+            for (int64_t i = 0; i < TILE; i++) {
+                e[t + i] = exp_f(s[t + i] - top);
+                lane[i] += e[t + i];
+            }
+        for (int64_t i = 0; i < TILE; i++) sum += lane[i];
+    }
+    for (; t < T; t++) {
+        e[t] = exp_f(s[t] - top);
+        sum += e[t];
+    }
+    return sum;
+}
+
 /* z[t]: the group's scores aggregated per position (see speculate.aggregate_group); -inf
-   where not valid (the caller has set those scores to -inf). acc: [T] scratch. */
-static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, float *z, float *acc) {
-    if (mode == AGG_UNION || mode == AGG_MASS) {
+   where not valid (the caller has set those scores to -inf). e: [G][T] scratch.
+   mass: z = log sum_g e_g[t] / S_g with e_g = exp(s_g - max s_g) and S_g its sum: one exponential
+   per head and position and one log per position; where every head's exponential is below
+   float's range, the same sum is taken in logs from the scores (exact where the other would be 0).
+   rank: only the order of z will be read (no threshold, no units): mass skips the log and leaves
+   the sum itself, which orders the positions as its log does; the positions below float's range
+   keep their (negative) log, below every sum. */
+static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, int rank, float *z, float *e) {
+    if (mode == AGG_UNION) {
         for (int64_t g = 0; g < G; g++) {
             float *s = scores + g * T;
             const float top = max_of(s, T);
-            if (mode == AGG_UNION) {
-                const float off = top > -1e30f ? top : -1e30f; /* an all -inf row stays -inf */
-                for (int64_t t = 0; t < T; t++) s[t] -= off;
-            } else if (top > -INFINITY) { /* log_softmax over the valid positions */
-                /* float lanes over runs of 64 tiles (vectorized), folded into a double sum */
-                double sum = 0.0;
-                int64_t t = 0;
-                while (t + TILE <= T) {
-                    float lane[TILE] = {0.0f};
-                    for (int64_t run = 0; run < 64 && t + TILE <= T; run++, t += TILE)
-                        for (int64_t i = 0; i < TILE; i++) lane[i] += exp_f(s[t + i] - top);
-                    for (int64_t i = 0; i < TILE; i++) sum += lane[i];
-                }
-                for (; t < T; t++) sum += exp_f(s[t] - top);
-                const float lse = top + log_f((float)sum);
-                for (t = 0; t < T; t++) s[t] -= lse;
-            }
+            const float off = top > -1e30f ? top : -1e30f; /* an all -inf row stays -inf */
+            for (int64_t t = 0; t < T; t++) s[t] -= off;
         }
     }
-    memcpy(z, scores, (size_t)T * sizeof(float));
     if (mode == AGG_MASS) {
-        /* z = m + log sum_g exp(s_g - m), m the group's largest (the sum is then >= 1); one
-           pass per head over the positions, so that each loop vectorizes */
-        for (int64_t g = 1; g < G; g++)
-            for (int64_t t = 0; t < T; t++) z[t] = maxf(scores[g * T + t], z[t]);
-        for (int64_t t = 0; t < T; t++) acc[t] = 0.0f;
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t t = 0; t < T; t++) {
-                const float m = z[t] > -INFINITY ? z[t] : 0.0f;
-                acc[t] += exp_f(scores[g * T + t] - m);
+        float top[MAX_GROUP], inv[MAX_GROUP], lse[MAX_GROUP];
+        for (int64_t g = 0; g < G; g++) {
+            top[g] = max_of(scores + g * T, T);
+            if (top[g] > -INFINITY) {
+                const double sum = exp_sum(scores + g * T, T, top[g], e + g * T);
+                inv[g] = (float)(1.0 / sum);
+                lse[g] = top[g] + log_f((float)sum);
+            } else { /* no valid position: this head adds nothing */
+                memset(e + g * T, 0, (size_t)T * sizeof(float));
+                inv[g] = 0.0f;
+                lse[g] = INFINITY;
             }
-        for (int64_t t = 0; t < T; t++) {
-            const float lz = z[t] + log_f(acc[t] > 1.0f ? acc[t] : 1.0f);
-            z[t] = z[t] > -INFINITY ? lz : -INFINITY;
         }
-    } else if (mode == AGG_SUM) {
+        for (int64_t t = 0; t < T; t++) z[t] = 0.0f;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t t = 0; t < T; t++) z[t] += e[g * T + t] * inv[g];
+        int64_t deep = 0;
+        for (int64_t t = 0; t < T; t++) deep += z[t] == 0.0f;
+        if (rank) {
+            for (int64_t t = 0; t < T; t++) z[t] = z[t] > 0.0f ? z[t] : -INFINITY;
+        } else {
+            for (int64_t t = 0; t < T; t++) {
+                const float x = z[t], l = log_f(x > 0.0f ? x : 1.0f);
+                z[t] = x > 0.0f ? l : -INFINITY;
+            }
+        }
+        if (deep) /* positions every head puts below float's range: their log-sum-exp from the scores */
+            for (int64_t t = 0; t < T; t++) {
+                if (z[t] > -INFINITY) continue;
+                float m = -INFINITY;
+                for (int64_t g = 0; g < G; g++) m = maxf(scores[g * T + t] - lse[g], m);
+                if (m == -INFINITY) continue; /* not valid */
+                float acc = 0.0f;
+                for (int64_t g = 0; g < G; g++) acc += exp_f(scores[g * T + t] - lse[g] - m);
+                z[t] = m + log_f(acc > 1.0f ? acc : 1.0f);
+            }
+        return;
+    }
+    memcpy(z, scores, (size_t)T * sizeof(float));
+    if (mode == AGG_SUM) {
         for (int64_t g = 1; g < G; g++)
             for (int64_t t = 0; t < T; t++) z[t] += scores[g * T + t];
     } else {
         for (int64_t g = 1; g < G; g++)
             for (int64_t t = 0; t < T; t++) z[t] = maxf(scores[g * T + t], z[t]);
     }
+}
+
+/* z[t]: a row's group scores (G rows of T, bias included) aggregated, -inf where not valid (vr:
+   that row's valid bytes, or NULL) and where the aggregation gives NaN. Returns the row's context
+   (its valid positions); z is not written when that is 0. */
+static int64_t aggregate_scored(float *scores, int64_t G, int64_t T, const uint8_t *vr, int mode, int rank,
+                                float *z, float *e) {
+    int64_t ctx = T;
+    if (vr) {
+        ctx = 0;
+        for (int64_t t = 0; t < T; t++) ctx += vr[t] != 0;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t t = 0; t < T; t++) scores[g * T + t] = vr[t] ? scores[g * T + t] : -INFINITY;
+    }
+    if (ctx == 0) return 0;
+    aggregate_row(scores, G, T, mode, rank, z, e);
+    for (int64_t t = 0; t < T; t++) z[t] = z[t] == z[t] ? z[t] : -INFINITY; /* a NaN never selects */
+    return ctx;
+}
+
+/* Packed 4-bit codes [C/2][ld] of one row scored with integer dot products (score.c): the query
+   [G][C] quantized to int8 per head first. */
+static void score_row_codes(const uint8_t *k, int64_t ld, const uint16_t *s, const float *q, const float *bias,
+                            int64_t G, int64_t C, int64_t T, float *scores) {
+    const int64_t pairs = C / 2, quads = (pairs + 1) / 2;
+    int32_t q4[MAX_GROUP * (SCORE_MAX_CHANNELS / 4)], qsum[MAX_GROUP];
+    float qscale[MAX_GROUP];
+    ig_quantize_query(q, G, C, quads, q4, qsum, qscale);
+    const ig_code_row row = {k, (const uint8_t *)s, NULL, 0, 0, ld > 0 ? ld : 1, ld, pairs};
+    const ig_int_query iq = {G, quads, q4, qsum, qscale, bias};
+    ig_score_row(&row, 0, T, &iq, scores, T, ig_isa());
 }
 
 /* z[t]: row r's aggregated group scores, -inf where not valid (vr: that row's valid bytes, or
@@ -261,56 +341,134 @@ static void aggregate_row(float *scores, int64_t G, int64_t T, int mode, float *
 static int64_t group_scores_row(const void *keys, int key_format, int64_t offset, int64_t ld, const uint16_t *s,
                                 const float *q, const float *bias, int64_t G, int64_t C, int64_t T,
                                 const uint8_t *vr, int mode, float *scores, float *z, float *tmp) {
-    score_row(keys, key_format, offset, ld, s, q, G, C, T, scores);
-    if (bias)
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t t = 0; t < T; t++) scores[g * T + t] += bias[g];
-    int64_t ctx = T;
-    if (vr) {
-        ctx = 0;
-        for (int64_t t = 0; t < T; t++) ctx += vr[t] != 0;
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t t = 0; t < T; t++) scores[g * T + t] = vr[t] ? scores[g * T + t] : -INFINITY;
-    }
-    if (ctx == 0) return 0;
-    aggregate_row(scores, G, T, mode, z, tmp);
-    for (int64_t t = 0; t < T; t++) z[t] = z[t] == z[t] ? z[t] : -INFINITY; /* a NaN never selects */
-    return ctx;
-}
-
-/* Whether position t may be chosen: valid (vr NULL: all are) and not excluded (ex NULL: none is). */
-static inline int open_at(const uint8_t *vr, const uint8_t *ex, int64_t t) {
-    return (!vr || vr[t]) && !(ex && ex[t]);
-}
-
-/* The count-th largest z over the open positions (count >= 1, at most how many are open); tmp:
-   [T] scratch, used as keys. */
-static float cut_at(const float *z, const uint8_t *vr, const uint8_t *ex, int64_t T, int64_t count, float *tmp) {
-    uint32_t *keys = (uint32_t *)tmp;
-    int64_t n = 0;
-    if (!vr && !ex) {
-        for (int64_t t = 0; t < T; t++) keys[t] = order_key(z[t]);
-        n = T;
+    if (key_format == KEYS_I4) {
+        score_row_codes((const uint8_t *)keys + offset, ld, s, q, bias, G, C, T, scores);
     } else {
-        for (int64_t t = 0; t < T; t++) {
-            keys[n] = order_key(z[t]);
-            n += open_at(vr, ex, t);
+        score_row(keys, key_format, offset, ld, s, q, G, C, T, scores);
+        if (bias)
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t t = 0; t < T; t++) scores[g * T + t] += bias[g];
+    }
+    (void)tmp;
+    return aggregate_scored(scores, G, T, vr, mode, 0, z, scores + G * T); /* scores: [2G][T] */
+}
+
+static __thread arena cand_arena;
+
+enum { SAMPLE = 16, VEC_SLACK = 16 };
+
+/* Open positions of [t0, T) with z >= lo, in order: values to val, positions to pos; returns how many. */
+static int64_t collect_portable(const float *z, const uint8_t *vr, const uint8_t *ex, int64_t t0, int64_t T, float lo,
+                                float *val, int64_t *pos) {
+    int64_t n = 0;
+    for (int64_t t = t0; t < T; t++) {
+        val[n] = z[t];
+        pos[n] = t;
+        n += open_at(vr, ex, t) & (z[t] >= lo);
+    }
+    return n;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* The same with AVX-512 compressions in registers (each store writes a whole vector: the buffers
+   have VEC_SLACK elements of room past the last candidate). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static int64_t collect_512(const float *z, const uint8_t *vr,
+                                                                                const uint8_t *ex, int64_t T, float lo,
+                                                                                float *val, int64_t *pos) {
+    int64_t n = 0, t = 0;
+    const __m512 vlo = _mm512_set1_ps(lo);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; t + 16 <= T; t += 16) {
+        const __m512 v = _mm512_loadu_ps(z + t);
+        __mmask16 m = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ);
+        if (vr) m &= _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vr + t))),
+                                            _mm512_set1_epi32(0xff));
+        if (ex) m &= _mm512_testn_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ex + t))),
+                                             _mm512_set1_epi32(0xff));
+        if (!m) continue;
+        _mm512_storeu_ps(val + n, _mm512_maskz_compress_ps(m, v));
+        const __m512i idx = _mm512_maskz_compress_epi32(m, _mm512_add_epi32(_mm512_set1_epi32((int)t), iota));
+        _mm512_storeu_si512((void *)(pos + n), _mm512_cvtepi32_epi64(_mm512_castsi512_si256(idx)));
+        _mm512_storeu_si512((void *)(pos + n + 8), _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(idx, 1)));
+        n += __builtin_popcount((unsigned)m);
+    }
+    return n + collect_portable(z, vr, ex, t, T, lo, val + n, pos + n);
+}
+#endif
+
+static int64_t collect(const float *z, const uint8_t *vr, const uint8_t *ex, int64_t T, float lo, float *val,
+                       int64_t *pos) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (ig_isa() >= ISA_AVX512 && T < (1LL << 31)) return collect_512(z, vr, ex, T, lo, val, pos);
+#endif
+    return collect_portable(z, vr, ex, 0, T, lo, val, pos);
+}
+
+/* Writes ascending the open positions above the count-th largest z over the open positions
+   (count >= 1, at most how many are open), and exact ties at that cut earliest first, up to
+   `count`; returns how many it wrote. tmp: [T] scratch.
+   The cut is found among candidates: every SAMPLE-th open position is sampled, a bound `lo` set
+   safely below where the count-th largest should lie by the samples, and the positions at or above
+   it collected in one pass (vectorized); their radix select gives the cut, and they are emitted.
+   Where the bound falls short (fewer candidates than `count`), or the row is short, every open
+   position is ranked instead: the same positions either way. */
+static int64_t emit_top(const float *z, const uint8_t *vr, const uint8_t *ex, int64_t T, int64_t count, float *tmp,
+                        int64_t *out) {
+    int64_t above;
+    if (T >= 16 * SAMPLE && 4 * count <= T) {
+        const int64_t ns_cap = T / SAMPLE + 1;
+        char *w = scratch(&cand_arena, (size_t)(ns_cap * 2 + T + VEC_SLACK) * sizeof(float) +
+                                           (size_t)(T + VEC_SLACK) * sizeof(int64_t));
+        if (w) {
+            float *samples = (float *)w, *val = samples + ns_cap;
+            uint32_t *skeys = (uint32_t *)(val + T + VEC_SLACK);
+            int64_t *pos = (int64_t *)(skeys + ns_cap);
+            int64_t ns = 0, open = 0;
+            for (int64_t t = SAMPLE / 2; t < T; t += SAMPLE) {
+                samples[ns] = z[t];
+                ns += open_at(vr, ex, t);
+            }
+            for (int64_t t = 0; t < T; t++) open += open_at(vr, ex, t);
+            /* the samples' rank that should leave a quarter more than `count` above it, and some */
+            const int64_t ks = (int64_t)ceil((double)count * ns / (double)(open > 0 ? open : 1) * 1.25) + 4;
+            if (ks < ns) {
+                int64_t unused;
+                const float lo = kth_largest(samples, NULL, NULL, ns, ks, skeys, &unused);
+                const int64_t nc = collect(z, vr, ex, T, lo, val, pos);
+                if (nc >= count) {
+                    const float cut = kth_largest(val, NULL, NULL, nc, count - 1, (uint32_t *)tmp, &above);
+                    int64_t m = 0, ties = count - above;
+                    for (int64_t i = 0; i < nc; i++) {
+                        const int tie = val[i] == cut, take = (val[i] > cut) | (tie & (ties > 0));
+                        ties -= tie & take;
+                        out[m] = pos[i];
+                        m += take;
+                    }
+                    return m;
+                }
+            }
         }
     }
-    return kth_largest_key(keys, n, count - 1);
+    const float cut = kth_largest(z, vr, ex, T, count - 1, (uint32_t *)tmp, &above);
+    int64_t m = 0, ties = count - above;
+    for (int64_t t = 0; t < T; t++) {
+        const int open = open_at(vr, ex, t), tie = open & (z[t] == cut);
+        const int take = (open & (z[t] > cut)) | (tie & (ties > 0));
+        ties -= tie & take;
+        out[m] = t;
+        m += take;
+    }
+    return m;
 }
 
-/* Writes ascending the open positions above `cut`, and exact ties at the cut earliest first, up
-   to `count`; returns how many it wrote. */
-static int64_t emit_above(const float *z, const uint8_t *vr, const uint8_t *ex, int64_t T, int64_t count, float cut,
-                          int64_t *out) {
-    int64_t above = 0;
-    for (int64_t t = 0; t < T; t++) above += open_at(vr, ex, t) && z[t] > cut;
-    int64_t m = 0, ties = count - above;
-    for (int64_t t = 0; t < T && m < count; t++) {
-        if (!open_at(vr, ex, t)) continue;
-        if (z[t] > cut) out[m++] = t;
-        else if (z[t] == cut && ties > 0) { out[m++] = t; ties--; }
+/* Writes ascending every open position whose z is at least thr (alpha's threshold; all of them for
+   thr = -inf): `count` of them, counted by the caller. */
+static int64_t emit_at_least(const float *z, const uint8_t *vr, int64_t T, float thr, int64_t *out) {
+    int64_t m = 0;
+    for (int64_t t = 0; t < T; t++) {
+        out[m] = t;
+        m += open_at(vr, NULL, t) & (z[t] >= thr);
     }
     return m;
 }
@@ -326,12 +484,16 @@ static void pad_rows(int64_t R, int64_t T, const int64_t *count, int64_t widest,
    the floor min_tokens; writes the chosen ascending to out and returns how many. */
 static int64_t choose(const float *z, const uint8_t *vr, int64_t n, int64_t ctx, float alpha, double budget,
                       int64_t budget_tokens, int64_t min_tokens, float *tmp, int64_t *out) {
-    const float thr = max_of(z, n) - alpha;
-    int64_t kept = 0;
-    if (vr) {
-        for (int64_t t = 0; t < n; t++) kept += (vr[t] != 0) & (z[t] >= thr);
-    } else {
-        for (int64_t t = 0; t < n; t++) kept += z[t] >= thr;
+    /* alpha = inf (the default) keeps every valid position before the cap: no pass needed */
+    const float thr = alpha == INFINITY ? -INFINITY : max_of(z, n) - alpha;
+    int64_t kept = ctx;
+    if (thr > -INFINITY) {
+        kept = 0;
+        if (vr) {
+            for (int64_t t = 0; t < n; t++) kept += (vr[t] != 0) & (z[t] >= thr);
+        } else {
+            for (int64_t t = 0; t < n; t++) kept += z[t] >= thr;
+        }
     }
     int64_t cap = budget < 1.0 ? (int64_t)ceil((double)ctx * budget) : ctx;
     if (budget_tokens >= 0 && cap > budget_tokens) cap = budget_tokens;
@@ -339,9 +501,9 @@ static int64_t choose(const float *z, const uint8_t *vr, int64_t n, int64_t ctx,
     const int64_t floor_ = ctx < min_tokens ? ctx : min_tokens;
     if (count < floor_) count = floor_;
     if (count > ctx) count = ctx;
+    if (count <= 0) return 0;
     /* the count-th largest valid score becomes the threshold when the cap or floor moved it */
-    const float cut = count != kept ? cut_at(z, vr, NULL, n, count, tmp) : thr;
-    return emit_above(z, vr, NULL, n, count, cut, out);
+    return count != kept ? emit_top(z, vr, NULL, n, count, tmp, out) : emit_at_least(z, vr, n, thr, out);
 }
 
 /* A unit's score from its valid scores z[start..end) (speculate.unit_scores): rule 0 its best,
@@ -397,7 +559,7 @@ int64_t ig_select(const void *keys, int key_format, int64_t key_row_stride, int6
                   const float *query, const float *bias /* [R][G] or NULL */,
                   int64_t R, int64_t G, int64_t C, int64_t T, const uint8_t *valid, int mode,
                   float alpha, double budget, int64_t budget_tokens, int64_t min_tokens, int64_t block,
-                  int unit_rule, float *scores /* [G][T] */, float *z /* [T] */, float *tmp /* [T] */,
+                  int unit_rule, float *scores /* [2G][T] */, float *z /* [T] */, float *tmp /* [T] */,
                   int64_t *out_idx /* [R][T] */, int64_t *out_count /* [R] */) {
     if (G > MAX_GROUP) return -1;
     const int64_t nb = block > 1 ? (T + block - 1) / block : 0;
@@ -449,9 +611,132 @@ int64_t ig_top_up(const void *keys, int key_format, int64_t key_row_stride, int6
         if (count <= 0) continue;
         group_scores_row(keys, key_format, r * key_row_stride, ld, scales ? scales + r * ld : NULL, query + r * G * C,
                          bias ? bias + r * G : NULL, G, C, T, vr, mode, scores, z, tmp);
-        out_count[r] = emit_above(z, vr, ex, T, count, cut_at(z, vr, ex, T, count, tmp), out_idx + r * T);
+        out_count[r] = emit_top(z, vr, ex, T, count, tmp, out_idx + r * T);
         if (out_count[r] > widest) widest = out_count[r];
     }
     pad_rows(R, T, out_count, widest, out_idx);
+    return widest;
+}
+
+/* ------------------------------------------------------------------ codes read where they lie
+ * The selection of every (request, KV head) row of a step in one call, over packed 4-bit codes
+ * read in place (vLLM's pages through its block tables, or the library's buffers), on `nthreads`
+ * threads of the OpenMP pool torch itself runs on (so that the two never compete for a core).
+ * Each row's codes are read once for its speculated query heads and, with a correction, its own
+ * query heads together: the speculation chooses by the rule, the own query tops the choice up. */
+
+static __thread arena row_arena, call_arena;
+
+static ig_code_row code_row(const ig_codes *k, int64_t r, int64_t h) {
+    const int64_t cr = k->tables ? 0 : r * k->code_request, sr = k->tables ? 0 : r * k->scale_request;
+    ig_code_row row = {k->codes + cr + h * k->code_head, k->scales + sr + h * k->scale_head,
+                       k->tables ? k->tables + r * k->table_ld : NULL, k->code_block, k->scale_block,
+                       k->block, k->ld, k->pairs};
+    return row;
+}
+
+/* Bytes of one row's selection scratch: scores [Q][T], exponentials [G][T], z, tmp [T], unit
+   scratch, chosen bytes. */
+static size_t row_scratch_bytes(int64_t Q, int64_t G, int64_t T) {
+    const int64_t n = T > 0 ? T : 1;
+    return (size_t)((Q + G) * n + 3 * n) * sizeof(float) + (size_t)n * (sizeof(int64_t) + 2);
+}
+
+/* One row from its scores (Q = G, or 2G with the own query's heads after the speculation's). */
+static void choose_row(float *scores, int64_t G, int own, int64_t T, const uint8_t *vr, const ig_rule *rule,
+                       float *e, float *z, float *tmp, float *zb, uint8_t *bv, int64_t *bidx, uint8_t *chosen,
+                       int64_t *out, int64_t *count, int64_t *extra) {
+    *count = 0;
+    if (extra) *extra = 0;
+    /* with no threshold and no units only the order of the scores counts (and the top-up ranks) */
+    const int rank = rule->alpha == INFINITY && rule->unit <= 1;
+    const int64_t ctx = aggregate_scored(scores, G, T, vr, (int)rule->mode, rank, z, e);
+    if (ctx == 0) return;
+    *count = rule->unit > 1
+                 ? choose_blocks(z, vr, T, rule->unit, (int)rule->unit_rule, (float)rule->alpha, rule->budget,
+                                 rule->budget_tokens, rule->min_tokens, zb, bv, bidx, tmp, out)
+                 : choose(z, vr, T, ctx, (float)rule->alpha, rule->budget, rule->budget_tokens, rule->min_tokens, tmp,
+                          out);
+    if (!own || !extra || rule->correction <= 0.0) return;
+    memset(chosen, 0, (size_t)T);
+    for (int64_t i = 0; i < *count; i++) chosen[out[i]] = 1;
+    aggregate_scored(scores + G * T, G, T, vr, (int)rule->mode, 1, z, e);
+    int64_t open = 0;
+    for (int64_t t = 0; t < T; t++) open += open_at(vr, chosen, t);
+    int64_t want = (int64_t)ceil((double)ctx * rule->correction);
+    want = want < open ? want : open;
+    if (want > 0) *extra = emit_top(z, vr, chosen, T, want, tmp, out + *count);
+}
+
+int64_t ig_select_codes(const ig_codes *k, int64_t R, int64_t Hkv, int64_t G, int64_t C, const int64_t *lengths,
+                        const uint8_t *valid, int64_t ldv, const float *spec, const float *spec_bias, const float *own,
+                        const float *own_bias, const ig_rule *rule, int64_t *out, int64_t ldo, int64_t *counts,
+                        int64_t *extra, int nthreads) {
+    if (G > MAX_GROUP || C > SCORE_MAX_CHANNELS || C > 4 * ((k->pairs + 1) / 2)) return -1;
+    const int with_own = own != NULL && extra != NULL && rule->correction > 0.0;
+    const int64_t rows = R * Hkv, Q = with_own ? 2 * G : G, quads = (k->pairs + 1) / 2;
+    int64_t T = 0;
+    for (int64_t r = 0; r < R; r++) T = lengths[r] > T ? lengths[r] : T;
+    if (T > ldo) return -3;
+    /* the queries in int8, every row's, in the calling thread (a few hundred numbers each) */
+    const size_t qbytes = (size_t)rows * Q * (quads * 4 + 8);
+    const int split = nthreads > 1 && rows < 2 * nthreads;
+    const size_t shared = split ? (size_t)rows * Q * (T > 0 ? T : 1) * sizeof(float) : 0;
+    char *base = scratch(&call_arena, qbytes + shared + 64);
+    if (!base) return -2;
+    int32_t *q4 = (int32_t *)base, *qsum = q4 + rows * Q * quads;
+    float *qscale = (float *)(qsum + rows * Q), *bias = qscale + rows * Q;
+    float *prescored = split ? bias + rows * Q : NULL;
+    for (int64_t i = 0; i < rows; i++) {
+        float *b = bias + i * Q;
+        ig_quantize_query(spec + i * G * C, G, C, quads, q4 + i * Q * quads, qsum + i * Q, qscale + i * Q);
+        for (int64_t g = 0; g < G; g++) b[g] = spec_bias ? spec_bias[i * G + g] : 0.0f;
+        if (with_own) {
+            ig_quantize_query(own + i * G * C, G, C, quads, q4 + (i * Q + G) * quads, qsum + i * Q + G, qscale + i * Q + G);
+            for (int64_t g = 0; g < G; g++) b[G + g] = own_bias ? own_bias[i * G + g] : 0.0f;
+        }
+    }
+    const int isa = ig_isa();
+    int failed = 0;
+    if (split) { /* few rows: each row's positions scored in pieces on every thread first */
+        const int64_t pieces = (2 * nthreads + rows - 1) / rows;
+        const int64_t span = ((T + pieces - 1) / pieces + 63) / 64 * 64;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (int64_t item = 0; item < rows * pieces; item++) {
+            const int64_t i = item / pieces, r = i / Hkv, h = i % Hkv;
+            const int64_t start = (item % pieces) * span, stop = start + span < lengths[r] ? start + span : lengths[r];
+            if (start >= stop) continue;
+            const ig_code_row row = code_row(k, r, h);
+            const ig_int_query iq = {Q, quads, q4 + i * Q * quads, qsum + i * Q, qscale + i * Q, bias + i * Q};
+            ig_score_row(&row, start, stop, &iq, prescored + i * Q * T, lengths[r], isa);
+        }
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t r = i / Hkv, h = i % Hkv, t = lengths[r];
+        char *w = scratch(&row_arena, row_scratch_bytes(Q, G, t));
+        if (!w) {
+            failed = 1;
+            continue;
+        }
+        const int64_t n = t > 0 ? t : 1;
+        float *scores = prescored ? prescored + i * Q * T : (float *)w;
+        float *e = (float *)w + Q * n, *z = e + G * n, *tmp = z + n, *zb = tmp + n;
+        int64_t *bidx = (int64_t *)(zb + n);
+        uint8_t *bv = (uint8_t *)(bidx + n), *chosen = bv + n;
+        if (!prescored && t > 0) {
+            const ig_code_row row = code_row(k, r, h);
+            const ig_int_query iq = {Q, quads, q4 + i * Q * quads, qsum + i * Q, qscale + i * Q, bias + i * Q};
+            ig_score_row(&row, 0, t, &iq, scores, t, isa);
+        }
+        choose_row(scores, G, with_own, t, valid ? valid + i * ldv : NULL, rule, e, z, tmp, zb, bv, bidx, chosen,
+                   out + i * ldo, counts + i, extra ? extra + i : NULL);
+    }
+    if (failed) return -2;
+    int64_t widest = 0;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t n = counts[i] + (extra ? extra[i] : 0);
+        widest = n > widest ? n : widest;
+    }
     return widest;
 }

@@ -299,10 +299,12 @@ class InfiniGenSelector(Selector):
 
     def scores(self, state, layer: int, query: torch.Tensor, past: int, valid) -> torch.Tensor:
         """Speculated group scores [B, Hkv, past] (-inf where not valid)."""
-        q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
         state = _partial(state)
-        keys = state.keys(past) if isinstance(state, QuantizedPartialKeys) else state.keys[:, :, :past]
-        s = partial_scores(q_part, keys, self.adapter.scaling(layer))
+        if isinstance(state, QuantizedPartialKeys):  # as the kernel scores codes (4-bit: in integers)
+            s = state.scores(self._scaled_partial_query(layer, query), past)
+        else:
+            q_part = project_partial(query[:, :, None], self.proj[layer])[:, :, 0]
+            s = partial_scores(q_part, state.keys[:, :, :past], self.adapter.scaling(layer))
         return aggregate_group(s, valid, self.adapter.num_kv_heads, self.knobs.aggregation)
 
     def select(self, state, layer, query, past, valid) -> Selection:

@@ -20,8 +20,12 @@ its offset: 4-bit codes then lost a third of the ranking on source code. A score
     q . k ~= s[t] * sum_c (q[c] * sigma[c]) * code[c, t] + sum_c q[c] * mu[c]
 
 so the selection kernel folds `sigma` into the query once per step, adds the last term once per
-query head (`kernels.select` with `scales` and `bias`) and reads the codes as they are stored;
-`dequantize` is the tensor path's fallback and the reference the kernel is tested against.
+query head (`kernels.select` with `scales` and `bias`) and reads the codes as they are stored.
+4-bit codes are scored with integer dot products: each query head (sigma folded in) is itself
+quantized to int8 about its largest channel (`int8_query`), so that a score is
+`s[t] * qscale * sum_c q8[c] * code[c, t]` in exact integers (`code_scores`: the tensor path, bit
+for bit what the kernel computes on every instruction path); int8 codes are scored in float, and
+`dequantize` is their tensor path's reference.
 """
 
 from __future__ import annotations
@@ -92,6 +96,19 @@ class QuantizedPartialKeys:
             q = torch.nn.functional.pad(q, (0, 1))
         return q.reshape(b, h, -1)
 
+    def scores(self, query: torch.Tensor, length: int) -> torch.Tensor:
+        """Scaled partial queries [B, H, c] against the first `length` positions: [B, H, length]
+        float32, as the selection kernel scores them (`code_scores` for 4-bit codes; for int8 codes
+        the dequantized keys, the float path's reference)."""
+        if self.fmt == "int4":
+            return code_scores(
+                self.codes.data, self.scales.data, self.kernel_query(query), self.kernel_bias(query), length
+            )
+        keys = self.keys(length)
+        return torch.matmul(
+            query.to(torch.float32).reshape(*keys.shape[:2], -1, keys.shape[-1]), keys.transpose(-1, -2)
+        ).reshape(query.shape[0], query.shape[1], length)
+
     def kernel_bias(self, query: torch.Tensor) -> torch.Tensor:
         """[B, H]: each query head (scaled partial queries [B, H, c]) against the channel means,
         the part of every score the centered codes leave out."""
@@ -99,6 +116,43 @@ class QuantizedPartialKeys:
         hkv = self.mu.shape[1]
         q = query.to(torch.float32).reshape(b, hkv, h // hkv, c)
         return (q * self.mu[:, :, None, :]).sum(-1).reshape(b, h)
+
+
+def int8_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., C] float32 -> (its int8 codes as float32 [..., C], its scale [...]): per head, scale =
+    max|q| / 127 and code = round(q / scale), halves to even (all zero for a zero head)."""
+    q = q.to(torch.float32)
+    scale = q.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    codes = torch.where(scale[..., None] > 0, torch.round(q / safe), torch.zeros_like(q)).clamp(-127, 127)
+    return codes, scale
+
+
+def unpack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., C/2, T] uint8 -> each channel's stored nibble (code + 8) [..., C, T] float32."""
+    low, high = (codes & 15).to(torch.float32), (codes >> 4).to(torch.float32)
+    return torch.stack([low, high], dim=-2).reshape(*codes.shape[:-2], 2 * codes.shape[-2], codes.shape[-1])
+
+
+def code_scores(
+    codes: torch.Tensor, scales: torch.Tensor, query: torch.Tensor, bias: torch.Tensor | None, length: int
+) -> torch.Tensor:
+    """The scores of packed 4-bit codes [B, Hkv, C/2, >= length] with scales [B, Hkv, 1, >= length]
+    against queries [B, H, C] (sigma folded in, scaled; C even) plus `bias` [B, H]: [B, H, length]
+    float32, the integer dot products of `int8_query` finished as the kernel does
+    ((dot - 8 * sum q8) * (s * qscale) + bias, each a float32 rounding)."""
+    b, h, c = query.shape
+    hkv = codes.shape[1]
+    u = unpack_int4(codes[..., :length])[:, :, :c]  # [B, Hkv, C, T], exact small integers
+    q8, qscale = int8_query(query)
+    q8 = q8.reshape(b, hkv, h // hkv, c)
+    dot = torch.matmul(q8, u)  # integers below 2^24: exact in float32 whatever the order
+    centered = dot - 8 * q8.sum(-1, keepdim=True)
+    s = scales[..., :length].to(torch.float32)  # [B, Hkv, 1, T]
+    out = centered * (s * qscale.reshape(b, hkv, h // hkv, 1))
+    if bias is not None:
+        out = out + bias.to(torch.float32).reshape(b, hkv, h // hkv, 1)
+    return out.reshape(b, h, length)
 
 
 def _mean_over_real(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
