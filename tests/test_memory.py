@@ -66,15 +66,20 @@ def test_full_fetch_keeps_two_layers_of_rows_and_the_tier_holds_the_rest():
 
 @pytest.mark.parametrize("policy", ["infinigen", "quest"])
 def test_selected_rows_land_in_the_kvs_own_16_bits_and_int4_rows_in_the_compute_dtype(policy):
-    """A selection's rows are read back as stored (16 bits: half of fp32's buffers) and widened a
-    slice at a time while attended; a layer read whole lands in the compute dtype, with the new
-    token after it, for the model's own attention (whatever the storage: 16 bits, int4)."""
+    """A selection's rows read from disk land as stored (16 bits: half of fp32's buffers) and are
+    widened while attended; in host RAM beside the CPU they are attended where they lie, with no
+    buffer at all; a layer read whole lands in the compute dtype, with the new token after it, for
+    the model's own attention (whatever the storage: 16 bits, int4)."""
     model = tiny_model("llama")
 
-    def held(policy: str, kv: str) -> int:
-        return _run(model, InfiniGenConfig(policy=policy, kv_dtype=kv))[0].parts["transfer_buffers"]
+    def held(policy: str, kv: str, tier: str = "ram") -> int:
+        cfg = InfiniGenConfig(policy=policy, kv_dtype=kv, tier=tier, compute_memory=None)
+        return _run(model, cfg)[0].parts["transfer_buffers"]
 
-    assert 0 < held(policy, "float16") and 2 * held(policy, "float16") == held(policy, "float32")
+    assert 0 < held(policy, "float16", "disk") and 2 * held(policy, "float16", "disk") == held(
+        policy, "float32", "disk"
+    )
+    assert held(policy, "float16") == held(policy, "float32") == 0
     assert held("full", "float16") == held("full", "float32") == held("int4", "float16")
 
 

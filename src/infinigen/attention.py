@@ -88,7 +88,18 @@ def attend_stored(
     k_rows, v_rows = rows
     hkv, n = k_rows.shape[1], k_rows.shape[2]
     q = query.reshape(b, hkv, h // hkv, d).to(torch.float32) * scaling  # head j of KV head j // G
-    if kernels.can_attend(rows):  # the same math, the rows widened in registers (attend.c)
+    if kernels.can_attend(rows) and not weights:  # the rows read where they lie, on the compute's threads
+        positions = counts = None
+        if not is_all_valid(valid):
+            order = torch.argsort((~valid).to(torch.uint8), dim=-1, stable=True)  # the valid slots first
+            positions = order
+            counts = valid.sum(-1)
+        out = kernels.attend_rows(
+            kernels.KVRows.contiguous(k_rows, v_rows), q, torch.full((b,), n), positions, counts,
+            (new[0].reshape(b, hkv, d), new[1].reshape(b, hkv, d)),
+        )  # fmt: skip
+        return out.to(query.dtype).reshape(b, 1, h, d), None
+    if kernels.can_attend(rows):  # the same math, the rows widened in registers (attend.c), with the weights
         out, probs = kernels.attend(q, rows, None if is_all_valid(valid) else valid, new, weights)
         return out.to(query.dtype).reshape(b, 1, h, d), probs.reshape(b, h, 1, n + 1) if weights else None
     step = widen_rows(k_rows)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from infinigen.errors import InputError
-from infinigen.layers import ComputeLayer, LocalLayer, Positions
+from infinigen.layers import ComputeLayer, LocalLayer, Positions, reads_in_place
 from infinigen.memory import PARTS, dense_kv_bytes, format_bytes
 from infinigen.prefill import PREFILL_CHUNK
 from infinigen.roles import Role
@@ -121,6 +121,14 @@ class TransferRows:
         return max(*self.stored, *self.whole)
 
 
+def _device_type(adapter) -> str:
+    """Where the model computes ("cpu" for a model split across devices' first part)."""
+    try:
+        return next(adapter.model.parameters()).device.type
+    except (AttributeError, StopIteration):
+        return "cpu"
+
+
 def transfer_rows(config, adapter, selector, positions: int) -> TransferRows:
     """What the transfer buffers of a generation reaching `positions` hold (all zero when nothing
     is offloaded)."""
@@ -129,6 +137,9 @@ def transfer_rows(config, adapter, selector, positions: int) -> TransferRows:
         if not role.offloaded:
             continue
         if role == Role.SELECT and selector is not None:
+            if reads_in_place(config.tier, config.spec.fmt, config.host_capacity is not None, selector.observes,
+                              adapter.head_dim, _device_type(adapter)):  # fmt: skip
+                continue  # attended where the tier keeps them: no buffer
             rows = min(selector.max_rows(i, positions), positions)
         elif role == Role.WINDOW or config.fetch_chunk:  # the window, or every row a chunk at a time
             rows = _range_read(config, adapter, i, role, positions)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+import infinigen.kernels as kernels
 from infinigen.attention import (
     attend_in_chunks,
     attend_stored,
@@ -41,6 +42,7 @@ from infinigen.roles import Role
 from infinigen.select import Selector
 from infinigen.speculate import PrefillAttention, Selection, all_valid, is_all_valid
 from infinigen.storage import KVTier, PooledTier, Storage
+from infinigen.storage.base import done_future
 from infinigen.transfer import (
     CacheCounters,
     Fetched,
@@ -52,6 +54,23 @@ from infinigen.transfer import (
     Transfer,
     fetched_fraction,
 )
+
+IN_PLACE = ("in place",)  # a transfer that moved nothing: the attention reads the rows in the tier
+
+
+def reads_in_place(tier: str, fmt: str, pooled: bool, observes: bool, head_dim: int, device_type: str) -> bool:
+    """Whether a selecting layer attends its chosen rows where the tier keeps them, with no
+    transfer buffer (the one rule: the layers and the memory planner ask it): host memory beside
+    a CPU compute, rows stored as they are (no pool's slots, no packed format), a selector that
+    needs no weights back, and the kernels built for this head dim."""
+    return (
+        tier == "ram"
+        and fmt == "native"
+        and not pooled
+        and not observes
+        and device_type == "cpu"
+        and kernels.attend_reads(head_dim)
+    )
 
 
 class Positions:
@@ -592,17 +611,31 @@ class SelectingLayer(OffloadedLayer):
         plan = functools.partial(self._select_and_fetch, x, position_embeddings, past, valid, issued_at)
         self._transfer = Transfer.issue(plan, issued_at, self.shared.prefetch if issued_at < self.index else None)
 
+    def _reads_in_place(self) -> bool:
+        """Whether this step attends the selected rows where the tier keeps them (host memory beside
+        a CPU compute, the kernels built, nothing that needs the weights), instead of gathering them
+        into the transfer buffers first: the same rows, one copy fewer."""
+        storage = self.shared.storage
+        return self.tier.in_place() is not None and reads_in_place(
+            storage.tier, storage.fmt, self.settings.pooled, self.selecting.observes, self.tier.head_dim,
+            self.device.type,
+        )  # fmt: skip
+
     @torch.no_grad()
     def _select_and_fetch(self, x: torch.Tensor, position_embeddings, past: int, valid: torch.Tensor, issued_at: int):
-        """Ask the selector, then start the gather of its rows into this layer's buffers."""
+        """Ask the selector, then start the gather of its rows into this layer's buffers (or, read
+        in place, count them: the attention reads them)."""
         start = time.perf_counter()
         selection = self.selecting.select(self.selecting.last_query(x, position_embeddings, self.device), past, valid)
         self.record.speculated(time.perf_counter() - start)
         self.record.issued(issued_at, past, selection)
+        context = self.shared.context(self.tier.batch, past, self.device)
+        if self._reads_in_place():
+            self.tier.count_in_place(int(selection.valid.sum()))
+            return Planned(done_future(lambda: IN_PLACE), selection, float(fetched_fraction(selection, context)))
         out = self._buffers(selection.indices.shape[2])
         rows = self.tier.gather_async(selection.indices, selection.valid, self.device, self._rows_dtype, out=out)
         # The compute thread waits on `rows` (a device transfer orders that thread's stream).
-        context = self.shared.context(self.tier.batch, past, self.device)
         return Planned(rows, selection, float(fetched_fraction(selection, context)))
 
     def _decode_rows(self, fetched: Fetched, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -610,6 +643,9 @@ class SelectingLayer(OffloadedLayer):
         A step nobody issued (the cache driven without a session's hooks) read every row."""
         if fetched.selection is None:
             return super()._decode_rows(fetched, past, key_states, value_states)
+        if fetched.rows is IN_PLACE:
+            self._step = Step(self._attend_in_place, past, None, fetched.selection, (key_states, value_states))
+            return key_states, value_states
         self._step = Step(self._attend_selection, past, fetched.rows, fetched.selection, (key_states, value_states))
         return fetched.rows
 
@@ -636,6 +672,33 @@ class SelectingLayer(OffloadedLayer):
             self.selecting.observe(selection, p[..., :-1], p[..., -1])
         self._notify(query, selection, scaling)
         return out
+
+    def _attend_in_place(self, step: Step, query, key, value, scaling: float) -> torch.Tensor:
+        """The selected rows (and any top-up) attended where the tier keeps them, with the current
+        token (`kernels.attend_rows`, on the compute's threads)."""
+        selection, past = step.selection, step.past
+        start = time.perf_counter()
+        extra = self.selecting.top_up(query[:, :, -1], past, self.shared.valid(self.tier, past, self.device), selection)
+        if extra is not None:
+            rows = int(extra.valid.sum())
+            self.tier.count_in_place(rows)
+            context = self.shared.context(self.tier.batch, past, self.device)
+            fraction = float(fetched_fraction(extra, context))
+            self.record.topped_up(rows, fraction, rows * self.tier.row_bytes, time.perf_counter() - start)
+            selection = with_top_up(selection, extra)
+        b, h, _, d = query.shape
+        hkv = self.tier.kv_heads
+        order = torch.argsort((~selection.valid).to(torch.uint8), dim=-1, stable=True)  # the chosen slots first
+        positions = selection.indices.gather(-1, order)
+        counts = selection.valid.sum(-1)
+        q = query.reshape(b, hkv, h // hkv, d).to(torch.float32) * scaling
+        new_k, new_v = step.new
+        out = kernels.attend_rows(
+            kernels.KVRows.contiguous(*self.tier.in_place()), q, torch.full((b,), past), positions, counts,
+            (new_k[:, :, 0], new_v[:, :, 0]),
+        )  # fmt: skip
+        self._notify(query, selection, scaling)
+        return out.to(query.dtype).reshape(b, 1, h, d)
 
     def _top_up(self, query, key, value, selection: Selection):
         """Speculate, then correct: the selector may add positions chosen with this layer's own

@@ -237,6 +237,16 @@ class KVTier(ABC):
         parts of `infinigen.memory.PARTS`); none by default."""
         return {}
 
+    def in_place(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored rows (k, v) [B, Hkv, capacity, d] where a CPU compute reads them by position
+        as they lie, or None where a read must move them (a disk, another device, a pool's slots,
+        a packed format)."""
+        return None
+
+    def count_in_place(self, rows: int) -> None:
+        """Count `rows` rows read in place by the compute, as a gather of them counts (no transfer time)."""
+        self.stats.add(rows * self.row_bytes, rows, 0.0)
+
     def present(self, upto: int) -> torch.Tensor | None:
         """[B, Hkv, upto] bool of the positions still stored, or None when every one is (only a
         capped pool forgets positions)."""

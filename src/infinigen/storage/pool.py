@@ -312,6 +312,9 @@ class PooledTier(RamTier):
     good, and `present` says which remain, so that no selection asks for it. Rows are stored
     and read as in `RamTier`, at the slot the pool gives each position."""
 
+    def in_place(self):
+        return None  # its slots are not positions
+
     def __init__(
         self,
         batch: int,
