@@ -32,10 +32,21 @@ def _rotary(model):
     return apply
 
 
-class Harness:
-    """Two requests in vLLM's paged form, driven through the runtime layer by layer."""
+def _rope_table(model, positions: int = 128):
+    """The model's rotary table as vLLM keeps one (cos then sin, half a head each), float32."""
+    hf = get_adapter(model)
+    x = torch.zeros(1, positions, hf.head_dim)
+    cos, sin = model.model.rotary_emb(x, torch.arange(positions)[None])
+    half = hf.head_dim // 2
+    table = torch.cat([cos[0, :, :half], sin[0, :, :half]], -1).to(torch.float32).contiguous()
+    return lambda layer: (table, hf.head_dim, True)
 
-    def __init__(self, policy: str, **settings):
+
+class Harness:
+    """Two requests in vLLM's paged form, driven through the runtime layer by layer (rope: the
+    kernel applies the rotary table to the speculated queries, as inside vLLM, else torch does)."""
+
+    def __init__(self, policy: str, rope: bool = False, **settings):
         self.model = tiny_model("llama")
         cfg = infinigen.InfiniGenConfig(policy=policy, **settings)
         hf = get_adapter(self.model)
@@ -45,7 +56,10 @@ class Harness:
         if policy == "infinigen":
             with infinigen.attach(self.model, cfg) as session:
                 artifact = session.artifact
-        adapter = Adapter(self.layers, self.h, self.hkv, self.d, self.scale, _rotary(self.model))
+        adapter = Adapter(
+            self.layers, self.h, self.hkv, self.d, self.scale, _rotary(self.model),
+            _rope_table(self.model) if rope else None,
+        )  # fmt: skip
         self.rt = Runtime(PluginSettings(cfg), adapter, artifact, BLOCK, BLOCKS * BLOCK, torch.float32)
         self.pages = torch.zeros(self.layers, BLOCKS, self.hkv, BLOCK, page_bytes(10), dtype=torch.uint8)
         gen = torch.Generator().manual_seed(3)
@@ -144,11 +158,16 @@ def test_infinigen_over_the_whole_context_is_dense():
             torch.testing.assert_close(o[starts[r]], _attend(q[starts[r]], k, v, h.scale), rtol=1e-4, atol=1e-5)
 
 
-def test_infinigen_in_pages_attends_what_the_library_selects_from_the_same_keys():
+@pytest.mark.parametrize("steps, rope, correction", [(1, False, 0.0), (4, False, 0.0), (4, True, 0.0), (3, True, 0.06)])
+def test_infinigen_in_pages_attends_what_the_library_selects_from_the_same_keys(steps, rope, correction):
     """The page's codes and the block table give the selection the library makes from the keys
-    in memory (its own partial-key state, appended as transformers' cache does)."""
-    h = Harness("infinigen", budget=0.25, correction=0.0)
+    in memory (its own partial-key state, appended as transformers' cache does), also over the
+    codes the decode steps wrote themselves, with the rotary table applied in the kernel, and with
+    the own query's top-up (the correction) read from the same codes in the same pass."""
+    h = Harness("infinigen", rope=rope, budget=0.25, correction=correction)
     decode = _prefill_then_decode(h)
+    for i in range(1, steps):
+        decode = h.step([38 + i, 51 + i], [1, 1])
     sel, attended = h.rt.selector, 0
     for layer in range(2, h.layers):  # the speculated layers
         q, o, starts = decode[layer]
@@ -156,30 +175,38 @@ def test_infinigen_in_pages_attends_what_the_library_selects_from_the_same_keys(
             k, v = h.history(layer, r)
             past = len(k) - 1
             state = sel.new_state(layer)
-            sel.on_append(state, layer, k[:past].transpose(0, 1)[None], torch.ones(1, past, dtype=torch.bool))
+            prompt = past - (steps - 1)  # the prompt's keys measure the codes' statistics, as at a prefill
+            for a, b in [(0, prompt), *((t, t + 1) for t in range(prompt, past))]:
+                sel.on_append(state, layer, k[a:b].transpose(0, 1)[None], torch.ones(1, b - a, dtype=torch.bool))
             x, positions = h.seen[layer - 1]
             spec = sel.query(layer, x[starts[r] : starts[r] + 1][None], positions[starts[r] : starts[r] + 1])[:, :, 0]
-            chosen = sel.select(state, layer, spec, past, all_valid(1, h.hkv, past))
+            valid = all_valid(1, h.hkv, past)
+            chosen = sel.select(state, layer, spec, past, valid)
             keep = torch.zeros(h.hkv, past + 1, dtype=torch.bool)
             for j in range(h.hkv):
                 keep[j, chosen.indices[0, j][chosen.valid[0, j]]] = True
+            extra = sel.correct(state, layer, q[starts[r] : starts[r] + 1], past, valid, chosen)
+            if correction:
+                assert extra is not None and int(extra.counts.sum()) > 0
+                for j in range(h.hkv):
+                    keep[j, extra.indices[0, j][extra.valid[0, j]]] = True
             keep[:, past] = True  # its own position
             attended += int(keep.sum())
             torch.testing.assert_close(o[starts[r]], _attend(q[starts[r]], k, v, h.scale, keep), rtol=1e-4, atol=1e-5)
             assert int(chosen.counts.max()) <= math.ceil(0.25 * past)
-    assert attended < 0.4 * 2 * h.hkv * (h.layers - 2) * 50
+    assert attended < (0.4 + correction) * 2 * h.hkv * (h.layers - 2) * (50 + steps)
 
 
 def test_the_page_codes_read_back_as_they_were_written():
-    codes = PageCodes(10)
+    codes = PageCodes(10, 4)
     page = torch.zeros(6, 2, 4, page_bytes(10), dtype=torch.uint8)
     c = torch.randint(0, 255, (2, 5, 7), dtype=torch.uint8)
     s = torch.rand(2, 1, 7).to(torch.float16)
     blocks = torch.tensor([4, 1])
     slots = torch.tensor([blocks[p // 4] * 4 + p % 4 for p in range(7)])
-    codes.write(page, 4, slots, c, s)
-    got_c, got_s = codes.read(page, blocks[None])
-    assert torch.equal(got_c[0, :, :, :7], c) and torch.equal(got_s[0, :, :, :7], s)
+    codes.write(page, slots, c, s)
+    got_c, got_s = codes.read(page, blocks[None], 7)
+    assert torch.equal(got_c[0], c) and torch.equal(got_s[0], s)
 
 
 @pytest.mark.parametrize(

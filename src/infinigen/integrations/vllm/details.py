@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from infinigen.errors import InputError
 
 TESTED = (">=0.32.0,<0.33", (0, 32), (0, 33))
@@ -59,6 +61,23 @@ def rotary(attention_module):
         return q
 
     return apply
+
+
+def rope_table(attention_module):
+    """The layer's rotary table as the plugin's kernel applies it, (cos_sin [positions, rot] float32,
+    rot, NeoX-style), for vLLM's cache-based rotary embeddings (`RotaryEmbedding` and the subclasses
+    that only change how the cache is made, such as Llama 3's); None for any other kind (its own
+    forward then runs)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    emb = attention_module.rotary_emb
+    own = ("forward_native", "forward_static", "forward", "forward_cpu")
+    if not isinstance(emb, RotaryEmbedding) or any(
+        getattr(type(emb), f) is not getattr(RotaryEmbedding, f) for f in own
+    ):
+        return None
+    table = emb.cos_sin_cache.detach().to(torch.float32).contiguous().clone()
+    return table, int(emb.rotary_dim), bool(emb.is_neox_style)
 
 
 def check_engine(vllm_config) -> None:

@@ -21,6 +21,7 @@ _lock = threading.Lock()
 _settings: PluginSettings | None = None
 _model = None
 _runtime: Runtime | None = None
+_engine = None  # the backend's prompt attention (vLLM's own kernel)
 _inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -81,6 +82,14 @@ def runtime(vllm_config, kv_cache: torch.Tensor, scale: float) -> Runtime:
     return _runtime
 
 
+def set_engine(engine) -> None:
+    """The backend's prompt attention, which the runtime calls for prompts (`backend.VllmPrompts`)."""
+    global _engine
+    _engine = engine
+    if _runtime is not None:
+        _runtime.engine = engine
+
+
 def current() -> Runtime | None:
     """The runtime if built (what a benchmark in this process reads its counters from)."""
     return _runtime
@@ -97,11 +106,15 @@ def _build(vllm_config, kv_cache: torch.Tensor, scale: float) -> Runtime:
     mc = vllm_config.model_config
     modules = details.attention_modules(_model)
     rotaries = [details.rotary(m) for m in modules]
+    by_embedding: dict[int, tuple | None] = {}  # layers usually share one rotary embedding (one table)
+    tables = [by_embedding.setdefault(id(m.rotary_emb), details.rope_table(m)) for m in modules]
     hf = mc.hf_config
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    adapter = Adapter(len(modules), heads, kv_heads, head_dim, scale, lambda i, pos, q: rotaries[i](pos, q))
+    adapter = Adapter(
+        len(modules), heads, kv_heads, head_dim, scale, lambda i, pos, q: rotaries[i](pos, q), lambda i: tables[i]
+    )
     config = s.config.in_read_units(head_dim, mc.dtype)
     artifact = None
     if s.keeps_partial_keys:
@@ -113,4 +126,5 @@ def _build(vllm_config, kv_cache: torch.Tensor, scale: float) -> Runtime:
         PluginSettings(config, s.artifact), adapter, artifact, block_size, kv_cache.shape[0] * block_size, mc.dtype
     )
     runtime.inputs = _inputs
+    runtime.engine = _engine
     return runtime
