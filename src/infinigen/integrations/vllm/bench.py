@@ -98,7 +98,7 @@ def _child(args) -> None:
     stride = max(1, (len(ids) - ctx) // max(1, most - 1))
     prompts = [(ids * 2)[i * stride : i * stride + ctx] for i in range(most)]
     llm = LLM(
-        model=cfg["model"], dtype=cfg["dtype"], enforce_eager=cfg["eager"], max_model_len=_model_len(ctx, new, batches),
+        model=cfg["model"], dtype=cfg["dtype"], enforce_eager=cfg["eager"], max_model_len=max(_model_len(ctx, new, batches), ctx + cfg.get("kl_tokens", 1 + new) + 8),
         max_num_seqs=max(most, 8), enable_prefix_caching=False, max_logprobs=-1, logits_processors=[ForceTokens],
         seed=0, disable_log_stats=True,
     )  # fmt: skip
@@ -123,7 +123,8 @@ def _child(args) -> None:
         out["batches"][str(b)] = rows[b]
     if cfg.get("force") is not None or cfg["row"] == "vllm":  # vLLM's own greedy run is its forced one
         force = cfg.get("force")
-        forced = SamplingParams(temperature=0, max_tokens=len(force) if force else 1 + new, ignore_eos=True,
+        forced = SamplingParams(temperature=0, max_tokens=len(force) if force else cfg.get("kl_tokens", 1 + new),
+                                ignore_eos=True,
                                 logprobs=-1, extra_args={"force": force} if force else None)  # fmt: skip
         res = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], forced, use_tqdm=False)[0].outputs[0]
         vocab = len(res.logprobs[0])
@@ -150,7 +151,9 @@ def _decode_phases(engine, prompts: list[list[int]], batches: list[int], new: in
     from vllm.sampling_params import RequestOutputKind
 
     order = sorted(set(batches), reverse=True)
-    params = SamplingParams(temperature=0, max_tokens=1 + new * len(order) + 4, ignore_eos=True,
+    # room for every phase and for the tokens the first requests decode while the last still prefill
+    # (vLLM chunks long prompts): none may finish before the phases end, which abort them all
+    params = SamplingParams(temperature=0, max_tokens=_DECODE_ROOM, ignore_eos=True,
                             output_kind=RequestOutputKind.CUMULATIVE)  # fmt: skip
     names = [f"{tag}-{i}" for i in range(order[0])]
     t0 = time.perf_counter()
@@ -208,9 +211,13 @@ def _decode_phases(engine, prompts: list[list[int]], batches: list[int], new: in
     return out
 
 
+_DECODE_ROOM = 512  # tokens a request of a decode run may reach (its phases abort it before)
+
+
 def _model_len(context: int, new: int, batches: list[int]) -> int:
-    """Positions a request reaches: its prompt, a phase of `new` tokens at each batch, and room."""
-    return context + new * len(set(b for b in batches if b > 1) or {1}) + 16
+    """Positions a request reaches: its prompt and `_DECODE_ROOM` (every phase of `new` tokens, and
+    what the first requests decode while the last still prefill)."""
+    return context + max(_DECODE_ROOM, new * len(batches) + 16)
 
 
 def _counters(rt) -> dict | None:
@@ -328,6 +335,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8000)
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--kl-tokens", type=int, default=128, help="positions of the first prompt the KL is taken over")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--threads", default="all", help="all: vLLM's worker on every core, bound; auto: vLLM's default")
@@ -364,6 +372,7 @@ def main(argv=None) -> int:
                        OMP_NUM_THREADS=str(cores))  # fmt: skip
         mine = [1] if row == "oracle" else batches  # the oracle is the quality bound, not a speed row
         cfg = dict(row=row, model=model, text=text, context=args.context, new=args.new, batches=mine,
+                   kl_tokens=args.kl_tokens,
                    dtype=args.dtype, eager=eager, out=str(work / f"{row}.json"), dist=str(work / f"{row}.pt"),
                    force=dense_tokens)  # fmt: skip
         print(f"[bench vllm] {row} (KV memory {memory:g} GiB) ...", file=sys.stderr, flush=True)
@@ -433,19 +442,21 @@ def _derive(results: dict, shape: dict, rate: float, args) -> None:
                 mine, theirs = br["tokens"], results[fastest]["batches"][b]["tokens"]
                 same = sum(x == y for m, t in zip(mine, theirs) for x, y in zip(m, t))
                 br["tokens_equal_share"] = same / max(1, sum(len(t) for t in theirs))
-    # KL (the forced distributions were saved beside each row's JSON)
-    base = None
+
+    # KL (each row's forced distribution was saved beside its JSON)
+    def dist(row: str):
+        path = results.get(row, {}).get("dist_path")
+        return torch.load(path) if path and Path(path).is_file() else None
+
+    base, full = dist("vllm"), dist("full")
     for row, r in results.items():
-        p = Path(r.get("dist_path", ""))
-        if row == "vllm" and p.exists():
-            base = torch.load(p)
-    for r in results.values():
-        p = Path(r.get("dist_path", ""))
-        if base is not None and p.exists():
-            r["kl_vs_vllm"] = _kl(base, torch.load(p))
-        full = Path(results.get("full", {}).get("dist_path", ""))
-        if full.exists() and p.exists():
-            r["kl_vs_full"] = _kl(torch.load(full), torch.load(p))
+        mine = dist(row)
+        if mine is None:
+            continue
+        if base is not None:
+            r["kl_vs_vllm"] = _kl(base, mine)
+        if full is not None:
+            r["kl_vs_full"] = _kl(full, mine)
     if "kl_vs_full" in results.get("oracle", {}):
         for r in results.values():
             if "kl_vs_full" in r and results["oracle"]["kl_vs_full"] > 0:
