@@ -98,7 +98,7 @@ def _child(args) -> None:
     stride = max(1, (len(ids) - ctx) // max(1, most - 1))
     prompts = [(ids * 2)[i * stride : i * stride + ctx] for i in range(most)]
     llm = LLM(
-        model=cfg["model"], dtype=cfg["dtype"], enforce_eager=cfg["eager"], max_model_len=max(_model_len(ctx, new, batches), ctx + cfg.get("kl_tokens", 1 + new) + 8),
+        model=cfg["model"], dtype=cfg["dtype"], enforce_eager=cfg["eager"], max_model_len=_model_len(ctx, new, batches, cfg["max_positions"]),
         max_num_seqs=max(most, 8), enable_prefix_caching=False, max_logprobs=-1, logits_processors=[ForceTokens],
         seed=0, disable_log_stats=True,
     )  # fmt: skip
@@ -214,10 +214,15 @@ def _decode_phases(engine, prompts: list[list[int]], batches: list[int], new: in
 _DECODE_ROOM = 512  # tokens a request of a decode run may reach (its phases abort it before)
 
 
-def _model_len(context: int, new: int, batches: list[int]) -> int:
+def _model_len(context: int, new: int, batches: list[int], most: int) -> int:
     """Positions a request reaches: its prompt and `_DECODE_ROOM` (every phase of `new` tokens, and
-    what the first requests decode while the last still prefill)."""
-    return context + max(_DECODE_ROOM, new * len(batches) + 16)
+    what the first requests decode while the last still prefill), within the model's `most`."""
+    want = context + max(_DECODE_ROOM, new * len(batches) + 16)
+    if context + new * len(batches) + 16 > most:
+        raise SystemExit(
+            f"--context {context} leaves no room for {len(batches)} phases of {new} tokens in the model's {most}"
+        )
+    return min(want, most)
 
 
 def _counters(rt) -> dict | None:
@@ -256,6 +261,7 @@ def _shape(model: str, dtype: str) -> dict:
     d = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return {"params": params, "weight_bytes": params * itemsize, "layers": hf.num_hidden_layers, "kv_heads": kv_heads,
             "heads": heads, "head_dim": d, "itemsize": itemsize,
+            "max_positions": int(getattr(hf, "max_position_embeddings", 1 << 30)),
             "kv_bytes_per_token": 2 * hf.num_hidden_layers * kv_heads * d * itemsize}  # fmt: skip
 
 
@@ -357,7 +363,7 @@ def main(argv=None) -> int:
     rate = _memory_rate(cores)
     channels = channel_count(0.625, shape["head_dim"])
     selection = _selection_rates(shape, args.context, max(batches), channels)
-    tokens = max(batches) * (-(-_model_len(args.context, args.new, batches) // 128) * 128)
+    tokens = max(batches) * (-(-_model_len(args.context, args.new, batches, shape["max_positions"]) // 128) * 128)
     results, work = {}, Path(tempfile.mkdtemp(prefix="infinigen-vllm-bench-"))
     dense_tokens = None
     for row in args.rows.split(","):
@@ -372,7 +378,8 @@ def main(argv=None) -> int:
                        OMP_NUM_THREADS=str(cores))  # fmt: skip
         mine = [1] if row == "oracle" else batches  # the oracle is the quality bound, not a speed row
         cfg = dict(row=row, model=model, text=text, context=args.context, new=args.new, batches=mine,
-                   kl_tokens=args.kl_tokens,
+                   kl_tokens=min(args.kl_tokens, shape["max_positions"] - args.context),
+                   max_positions=shape["max_positions"],
                    dtype=args.dtype, eager=eager, out=str(work / f"{row}.json"), dist=str(work / f"{row}.pt"),
                    force=dense_tokens)  # fmt: skip
         print(f"[bench vllm] {row} (KV memory {memory:g} GiB) ...", file=sys.stderr, flush=True)
